@@ -1,0 +1,220 @@
+"""Head layouts: which (layer, KV head) keeps every token and which keeps sink + window.
+
+File format (JSON, version 1):
+    {"format": "headwise-head-layout", "version": 1, "model": "<id>",
+     "num_layers": L, "num_kv_heads": H, "head_dim": D,
+     "sink": 64, "window": 256,
+     "heads": [["full", "window", {"class": "window", "sink": 32, "window": 512}], ...],
+     "scores": [[...], ...]}          # optional, per-head calibration scores
+A head given as a bare string uses the file's default sink and window.
+"""
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FORMAT = "headwise-head-layout"
+VERSION = 1
+DEFAULT_SINK = 64
+DEFAULT_WINDOW = 256
+HEAD_CLASSES = ("full", "window")
+
+
+class LayoutError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class HeadSpec:
+    kind: str              # "full" | "window"
+    sink: int = DEFAULT_SINK
+    window: int = DEFAULT_WINDOW
+
+    def __post_init__(self) -> None:
+        if self.kind not in HEAD_CLASSES:
+            raise LayoutError(f"unknown head class {self.kind!r}; expected one of {HEAD_CLASSES}")
+        if self.kind == "window":
+            if not isinstance(self.window, int) or self.window < 1:
+                raise LayoutError(f"window must be an integer >= 1, got {self.window!r}")
+            if not isinstance(self.sink, int) or self.sink < 0:
+                raise LayoutError(f"sink must be an integer >= 0, got {self.sink!r}")
+
+    @property
+    def ring_size(self) -> int:
+        return self.sink + self.window if self.kind == "window" else 0
+
+
+@dataclass
+class HeadLayout:
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    heads: list[list[HeadSpec]]     # [layer][kv_head]
+    model: str = ""
+    scores: list[list[float]] | None = None
+
+    def __post_init__(self) -> None:
+        if len(self.heads) != self.num_layers or any(len(r) != self.num_kv_heads for r in self.heads):
+            raise LayoutError(
+                f"layout {self.name!r} lists {len(self.heads)} layers x "
+                f"{[len(r) for r in self.heads][:3]}... heads, expected {self.num_layers} x {self.num_kv_heads}"
+            )
+
+    # ---- construction -------------------------------------------------------------
+    @classmethod
+    def uniform(cls, name: str, shape: tuple[int, int, int], spec: HeadSpec, model: str = "") -> "HeadLayout":
+        L, H, D = shape
+        return cls(name, L, H, D, [[spec] * H for _ in range(L)], model=model)
+
+    @classmethod
+    def full(cls, shape: tuple[int, int, int], model: str = "") -> "HeadLayout":
+        return cls.uniform("full", shape, HeadSpec("full"), model)
+
+    @classmethod
+    def window(cls, shape: tuple[int, int, int], sink: int = DEFAULT_SINK,
+               window: int = DEFAULT_WINDOW, model: str = "") -> "HeadLayout":
+        return cls.uniform("window", shape, HeadSpec("window", sink, window), model)
+
+    @classmethod
+    def from_full_set(cls, name: str, shape: tuple[int, int, int], full: set[tuple[int, int]],
+                      sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, model: str = "",
+                      scores: list[list[float]] | None = None) -> "HeadLayout":
+        L, H, D = shape
+        heads = [[HeadSpec("full") if (l, h) in full else HeadSpec("window", sink, window)
+                  for h in range(H)] for l in range(L)]
+        return cls(name, L, H, D, heads, model=model, scores=scores)
+
+    @classmethod
+    def random(cls, shape: tuple[int, int, int], full_fraction: float, seed: int = 0,
+               sink: int = DEFAULT_SINK, window: int = DEFAULT_WINDOW, model: str = "") -> "HeadLayout":
+        L, H, _ = shape
+        pairs = [(l, h) for l in range(L) for h in range(H)]
+        k = int(full_fraction * len(pairs))
+        chosen = set(random.Random(seed).sample(pairs, k))
+        return cls.from_full_set(f"random-{full_fraction:g}", shape, chosen, sink, window, model)
+
+    # ---- queries ------------------------------------------------------------------
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.num_layers, self.num_kv_heads, self.head_dim
+
+    def num_full(self, layer: int) -> int:
+        return sum(s.kind == "full" for s in self.heads[layer])
+
+    @property
+    def full_fraction(self) -> float:
+        return sum(self.num_full(l) for l in range(self.num_layers)) / (self.num_layers * self.num_kv_heads)
+
+    def head_order(self, layer: int) -> list[int]:
+        """KV heads of a layer in storage order: full first, then window heads by (sink, window)."""
+        row = self.heads[layer]
+        full = [h for h, s in enumerate(row) if s.kind == "full"]
+        win = sorted((h for h, s in enumerate(row) if s.kind == "window"),
+                     key=lambda h: (row[h].sink, row[h].window, h))
+        return full + win
+
+    def check_shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
+        if self.shape != (num_layers, num_kv_heads, head_dim):
+            raise LayoutError(
+                f"head layout {self.name!r} was made for a model with (layers, kv_heads, head_dim)="
+                f"{self.shape} (model {self.model or 'unknown'!r}), but this model has "
+                f"{(num_layers, num_kv_heads, head_dim)}"
+            )
+
+    # ---- files --------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        def enc(s: HeadSpec):
+            if s.kind == "full":
+                return "full"
+            if (s.sink, s.window) == (self.default_sink, self.default_window):
+                return "window"
+            return {"class": "window", "sink": s.sink, "window": s.window}
+
+        d: dict[str, Any] = {
+            "format": FORMAT, "version": VERSION, "model": self.model, "name": self.name,
+            "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
+            "sink": self.default_sink, "window": self.default_window,
+            "heads": [[enc(s) for s in row] for row in self.heads],
+        }
+        if self.scores is not None:
+            d["scores"] = self.scores
+        return d
+
+    @property
+    def default_sink(self) -> int:
+        return next((s.sink for r in self.heads for s in r if s.kind == "window"), DEFAULT_SINK)
+
+    @property
+    def default_window(self) -> int:
+        return next((s.window for r in self.heads for s in r if s.kind == "window"), DEFAULT_WINDOW)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
+
+    @classmethod
+    def from_dict(cls, d: Any, name: str = "layout") -> "HeadLayout":
+        if not isinstance(d, dict):
+            raise LayoutError(f"{name}: a head layout must be a JSON object")
+        if d.get("format") != FORMAT:
+            raise LayoutError(f"{name}: not a headwise head layout (format={d.get('format')!r})")
+        if d.get("version") != VERSION:
+            raise LayoutError(f"{name}: unsupported layout version {d.get('version')!r}; expected {VERSION}")
+        try:
+            L, H, D = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
+            sink, window = d.get("sink", DEFAULT_SINK), d.get("window", DEFAULT_WINDOW)
+            rows = d["heads"]
+        except (KeyError, TypeError, ValueError) as e:
+            raise LayoutError(f"{name}: missing or invalid field {e}") from None
+        if not isinstance(rows, list):
+            raise LayoutError(f"{name}: 'heads' must be a list of layers")
+        heads = []
+        for l, row in enumerate(rows):
+            if not isinstance(row, list):
+                raise LayoutError(f"{name}: layer {l} must be a list of head classes")
+            specs = []
+            for h, e in enumerate(row):
+                try:
+                    if isinstance(e, str):
+                        specs.append(HeadSpec(e, sink, window) if e == "window" else HeadSpec(e))
+                    elif isinstance(e, dict):
+                        kind = e.get("class")
+                        specs.append(HeadSpec(kind, e.get("sink", sink), e.get("window", window))
+                                     if kind == "window" else HeadSpec(kind))
+                    else:
+                        raise LayoutError(f"head entry must be a string or object, got {e!r}")
+                except LayoutError as err:
+                    raise LayoutError(f"{name}: layer {l} head {h}: {err}") from None
+            heads.append(specs)
+        return cls(d.get("name", name), L, H, D, heads, model=d.get("model", ""), scores=d.get("scores"))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HeadLayout":
+        p = Path(path)
+        if not p.is_file():
+            raise LayoutError(f"head layout file {str(p)!r} does not exist")
+        try:
+            d = json.loads(p.read_text())
+        except json.JSONDecodeError as e:
+            raise LayoutError(f"head layout {str(p)!r} is not valid JSON: {e}") from None
+        return cls.from_dict(d, name=p.stem)
+
+
+def resolve_layout(spec: "str | HeadLayout | None", shape: tuple[int, int, int], model: str,
+                   default: "HeadLayout | None" = None) -> HeadLayout:
+    """`full`, `window`, a file path or a HeadLayout -> a HeadLayout checked against the model."""
+    if spec is None:
+        layout = default or HeadLayout.full(shape, model)
+    elif isinstance(spec, HeadLayout):
+        layout = spec
+    elif spec == "full":
+        layout = HeadLayout.full(shape, model)
+    elif spec == "window":
+        layout = HeadLayout.window(shape, model=model)
+    else:
+        layout = HeadLayout.load(spec)
+    layout.check_shape(*shape)
+    return layout

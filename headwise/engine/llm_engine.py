@@ -1,0 +1,165 @@
+"""LLMEngine: request in, tokens out. One step = schedule -> run model -> sample -> update."""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from headwise.cache.layout import resolve_layout
+from headwise.cache.manager import KVCacheManager
+from headwise.config import EngineConfig
+from headwise.engine.model_runner import ModelRunner
+from headwise.engine.sampler import sample
+from headwise.engine.scheduler import Scheduler
+from headwise.engine.sequence import Sequence
+from headwise.models import load_model
+from headwise.models.head_order import permute_model_heads
+from headwise.sampling import SamplingParams
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.model, self.tokenizer = load_model(config.model, config.torch_dtype)
+        mcfg = self.model.config
+        self.model_config = mcfg
+        self.model_name = mcfg.name
+        shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
+        self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
+                                     default=_shipped_layout(mcfg.name, shape))
+        permute_model_heads(self.model, self.layout)
+        limit = mcfg.max_position_embeddings
+        if mcfg.sliding_window:
+            limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
+        self.max_model_len = min(config.max_model_len or limit, limit)
+        self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
+                                    config.max_num_seqs, config.torch_dtype)
+        self.runner = ModelRunner(self.model, self.cache)
+        self.scheduler = Scheduler(self.cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens, config.max_queue)
+        self.eos_ids = set(mcfg.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            self.eos_ids.add(self.tokenizer.eos_token_id)
+
+    # ---- requests -----------------------------------------------------------------
+    def encode(self, prompt: "str | list[int]") -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+            raise TypeError("a prompt must be a string or a list of token ids")
+        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
+        return list(prompt)
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        if num_prompt_tokens == 0:
+            raise PromptTooLongError("the prompt is empty")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise PromptTooLongError(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the "
+                f"request asks for {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the prompt, {max_tokens} for the completion)"
+            )
+
+    def add_request(self, prompt: "str | list[int]", params: SamplingParams,
+                    request_id: str | None = None) -> Sequence:
+        ids = self.encode(prompt)
+        self.check_length(len(ids), params.max_tokens)
+        seq = Sequence(ids, params, request_id)
+        seq.arrival_time = time.perf_counter()
+        seq.first_token_time = None
+        seq.token_times = []
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        self.scheduler.abort(seq)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the step -----------------------------------------------------------------
+    def step(self) -> list[Sequence]:
+        """Run one engine step; returns the sequences that got a new token."""
+        out = self.scheduler.schedule()
+        if not out.scheduled:
+            return []
+        logits, seqs = self.runner.run(out.scheduled)
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+        if not seqs:
+            return []
+        results = sample(logits, seqs)
+        now = time.perf_counter()
+        for seq, r in zip(seqs, results):
+            self._append(seq, r, now)
+        return seqs
+
+    def _append(self, seq: Sequence, r, now: float) -> None:
+        seq.output_token_ids.append(r.token)
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.token_times.append(now)
+        p = seq.params
+        if p.logprobs is not None:
+            seq.logprobs.append(r.logprob)
+            if r.top_logprobs is not None:
+                seq.top_logprobs.append(r.top_logprobs)
+        stopped_by_token = r.token in p.stop_token_ids or (not p.ignore_eos and r.token in self.eos_ids)
+        text = self.tokenizer.decode(seq.output_token_ids)
+        if not text.endswith("\ufffd") or stopped_by_token:
+            seq.output_text = text  # hold back a half-decoded character
+        reason = None
+        if stopped_by_token:
+            reason = "stop"
+        elif p.stop:
+            hits = [i for i in (seq.output_text.find(s) for s in p.stop) if i >= 0]
+            if hits:
+                seq.output_text = seq.output_text[: min(hits)]
+                reason = "stop"
+        if reason is None and (len(seq.output_token_ids) >= p.max_tokens
+                               or seq.num_tokens >= self.max_model_len):
+            seq.output_text = text
+            reason = "length"
+        if reason:
+            seq.finish_reason = reason
+            seq.finish_time = now
+            self.scheduler.finish(seq)
+
+    def prompt_logits(self, ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Logits [T, V] of every prompt position, prefilled in chunks of `chunk_size`
+        (default: the step token budget). Used for perplexity and parity checks."""
+        self.check_length(len(ids), 0)
+        chunk = chunk_size or self.config.max_num_batched_tokens
+        seq = Sequence(ids, SamplingParams(max_tokens=1))
+        if not self.cache.can_allocate(len(ids)):
+            raise RuntimeError("not enough free KV cache to score this sequence now")
+        self.cache.allocate(seq.seq_id, 0)
+        out = []
+        try:
+            while seq.num_computed_tokens < len(ids):
+                n = min(chunk, len(ids) - seq.num_computed_tokens)
+                self.cache.append(seq.seq_id, seq.num_computed_tokens + n)
+                logits, _ = self.runner.run([(seq, n)], all_logits=True)
+                out.append(logits)
+                seq.num_computed_tokens += n
+        finally:
+            self.cache.free(seq.seq_id)
+        return torch.cat(out)
+
+    # ---- accounting ---------------------------------------------------------------
+    def kv_bytes(self, num_tokens: int) -> int:
+        return self.cache.kv_bytes(num_tokens)
+
+
+def _shipped_layout(model_name: str, shape):
+    from headwise.layouts import shipped_layout
+
+    return shipped_layout(model_name, shape)

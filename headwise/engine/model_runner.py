@@ -1,0 +1,74 @@
+"""Builds one step's flat batch from the scheduler output and runs the model."""
+from __future__ import annotations
+
+import torch
+
+from headwise.cache.manager import KVCacheManager
+from headwise.engine.sequence import Sequence
+from headwise.layers.context import PrefillChunk, StepContext, set_context
+from headwise.models.llama import CausalLM
+
+
+class ModelRunner:
+    def __init__(self, model: CausalLM, cache: KVCacheManager) -> None:
+        self.model = model
+        self.cache = cache
+        cache.bind(model.attention_layers())
+
+    def run(self, scheduled: list[tuple[Sequence, int]],
+            all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+        """Run one step; returns logits [S, V] for the sequences that sample, and those.
+
+        With all_logits, logits of every token of the step come back instead, in the
+        step's token order (decodes first); used by evaluation (perplexity) and tests."""
+        # Decode-shaped entries (one new token on top of cached context) go first and are
+        # batched together; prefill chunks follow, each attended on its own.
+        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
+        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        ordered = decodes + prefills
+        full, ring = self.cache.full, self.cache.ring
+        bs = self.cache.block_size
+        ids, pos, slots, prefill_ctx = [], [], [], []
+        sampling_rows, sampling_seqs = [], []
+        offset = 0
+        for i, (seq, n) in enumerate(ordered):
+            start = seq.num_computed_tokens
+            ids.extend(seq.token_ids(start, start + n))
+            pos.extend(range(start, start + n))
+            # Prefill chunks after the first attend over pages, so they need every slot.
+            lo = 0 if (i >= len(decodes) and start > 0) else start
+            seq_slots = (full.slots(seq.seq_id, lo, start + n) if full.num_heads
+                         else torch.zeros(start + n - lo, dtype=torch.int64))
+            slots.append(seq_slots[start - lo:])
+            if i >= len(decodes):
+                prefill_ctx.append(PrefillChunk(offset, start, n, seq_slots, ring.slot(seq.seq_id)))
+            offset += n
+            if start + n == seq.num_tokens:
+                sampling_rows.append(offset - 1)
+                sampling_seqs.append(seq)
+        ctx = StepContext(
+            positions=torch.tensor(pos, dtype=torch.int64),
+            full_slots=torch.cat(slots),
+            num_decode=len(decodes),
+            prefills=prefill_ctx,
+        )
+        if decodes:
+            lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes])
+            ctx.decode_lens = lens
+            ctx.decode_ring_slots = torch.tensor([ring.slot(s.seq_id) for s, _ in decodes])
+            if full.num_heads:
+                max_blocks = -(-int(lens.max()) // bs)
+                tables = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
+                for j, (s, _) in enumerate(decodes):
+                    t = full.tables[s.seq_id][:max_blocks]
+                    tables[j, : len(t)] = torch.tensor(t)
+                ctx.decode_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)
+                L = ctx.decode_slots.shape[1]
+                ctx.decode_mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+        set_context(ctx)
+        try:
+            rows = torch.arange(len(ids)) if all_logits else torch.tensor(sampling_rows, dtype=torch.int64)
+            logits = self.model(torch.tensor(ids, dtype=torch.int64), ctx.positions, rows)
+        finally:
+            set_context(None)
+        return logits, sampling_seqs

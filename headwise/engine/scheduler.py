@@ -1,0 +1,117 @@
+"""Continuous batching over request and cache bookkeeping (no tensors, no model).
+
+Each step spends a token budget: running requests first (one decode token, or the next
+prefill chunk), then waiting requests in arrival order while every cache pool admits
+them. When the full-head pool cannot grow a running request, the most recently admitted
+request is preempted: its KV is freed and it is recomputed later from its tokens.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from headwise.engine.sequence import Sequence, SeqStatus
+
+
+class RequestTooLargeError(ValueError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num new tokens)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+
+class Scheduler:
+    def __init__(self, cache, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_queue: int | None = None) -> None:
+        self.cache = cache
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_queue = max_queue
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        cap = self.cache.max_tokens_per_seq()
+        if seq.max_total_tokens > cap:
+            raise RequestTooLargeError(
+                f"request needs KV for {seq.num_prompt_tokens} prompt + {seq.params.max_tokens} "
+                f"new tokens = {seq.max_total_tokens}, but the KV cache holds at most {cap} tokens "
+                "per sequence; raise kv_cache_memory or shorten the request"
+            )
+        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+            raise QueueFullError(f"waiting queue is full ({self.max_queue} requests)")
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Drop a request at any moment; its KV is freed at once."""
+        if seq in self.running:
+            self.running.remove(seq)
+            self.cache.free(seq.seq_id)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = seq.finish_reason or "abort"
+
+    def finish(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SeqStatus.FINISHED
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.cache.free(seq.seq_id)
+        seq.status = SeqStatus.WAITING
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            target = seq.num_computed_tokens + n
+            while not self.cache.can_append(seq.seq_id, target):
+                victim = self.running[-1]  # most recently admitted
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is seq:
+                    break
+            if seq.status != SeqStatus.RUNNING:
+                break  # seq itself was preempted; everything after it too
+            self.cache.append(seq.seq_id, target)
+            out.scheduled.append((seq, n))
+            budget -= n
+            i += 1
+        # Admit waiting requests in arrival order; none while we are preempting.
+        while (self.waiting and budget > 0 and not out.preempted
+               and len(self.running) < self.max_num_seqs):
+            seq = self.waiting[0]
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self.cache.can_allocate(n):
+                break
+            self.waiting.popleft()
+            self.cache.allocate(seq.seq_id, n)
+            seq.status = SeqStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append((seq, n))
+            budget -= n
+        return out

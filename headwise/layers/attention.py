@@ -1,0 +1,178 @@
+"""Head-split attention over the cache views the cache manager hands each layer.
+
+Within a layer the KV heads are ordered full heads first, then window heads grouped by
+(sink, window); the model's projection weights are permuted to match at load time
+(see headwise.models.head_order), so every class is a contiguous slice.
+Full heads read and write paged blocks; window heads read and write a fixed-size ring.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headwise.layers.context import PrefillChunk, StepContext, get_context
+
+# Query block size for blockwise window-head prefill: each block of this many queries
+# reads sink + window + block - 1 keys, so the work is O(n * (sink + window)).
+WINDOW_QUERY_BLOCK = 128
+
+
+@dataclass
+class WindowGroup:
+    kv_start: int          # first KV head of the group within the layer
+    kv_end: int
+    sink: int
+    window: int
+    k_ring: torch.Tensor   # [num_ring_slots, n_heads, sink + window, D] view
+    v_ring: torch.Tensor
+
+    def ring_index(self, pos: torch.Tensor) -> torch.Tensor:
+        """Slot of position p: p while p < sink, else sink + (p - sink) mod window."""
+        return torch.where(pos < self.sink, pos, self.sink + (pos - self.sink) % self.window)
+
+
+class HeadSplitAttention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.group = num_heads // num_kv_heads
+        self.head_dim = head_dim
+        self.scale = head_dim ** -0.5
+        # Bound by the cache manager; the layer never allocates cache memory.
+        self.num_full = num_kv_heads
+        self.k_full: torch.Tensor | None = None  # [num_full, num_slots, D]
+        self.v_full: torch.Tensor | None = None
+        self.window_groups: list[WindowGroup] = []
+
+    def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup]) -> None:
+        self.num_full = num_full
+        self.k_full, self.v_full = k_full, v_full
+        self.window_groups = window_groups
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
+        ctx = get_context()
+        out = torch.empty_like(q)
+        g = self.group
+        nf = self.num_full
+        if nf:
+            self._full(ctx, q[:, : nf * g], k[:, :nf], v[:, :nf], out[:, : nf * g])
+        for wg in self.window_groups:
+            qs = slice(wg.kv_start * g, wg.kv_end * g)
+            ks = slice(wg.kv_start, wg.kv_end)
+            self._window(ctx, wg, q[:, qs], k[:, ks], v[:, ks], out[:, qs])
+        return out
+
+    # ---- full heads: paged blocks -------------------------------------------------
+    def _full(self, ctx: StepContext, q, k, v, out) -> None:
+        kc, vc = self.k_full, self.v_full
+        kc[:, ctx.full_slots] = k.transpose(0, 1)
+        vc[:, ctx.full_slots] = v.transpose(0, 1)
+        B = ctx.num_decode
+        if B:
+            slots = ctx.decode_slots  # [B, L]
+            kk = kc[:, slots].transpose(0, 1)  # [B, nf, L, D]
+            vv = vc[:, slots].transpose(0, 1)
+            out[:B] = _grouped_decode(q[:B], kk, vv, ctx.decode_mask, self.scale)
+        for ch in ctx.prefills:
+            s = slice(ch.offset, ch.offset + ch.length)
+            qq = q[s].transpose(0, 1).unsqueeze(0)  # [1, Hq, c, D]
+            if ch.start == 0:
+                kk = k[s].transpose(0, 1).unsqueeze(0)  # [1, nf, c, D]
+                vv = v[s].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
+                                                   scale=self.scale, enable_gqa=True)
+            else:
+                kk = kc[:, ch.slots].unsqueeze(0)  # [1, nf, start + c, D]
+                vv = vc[:, ch.slots].unsqueeze(0)
+                qpos = torch.arange(ch.start, ch.start + ch.length)
+                mask = torch.arange(ch.start + ch.length)[None, :] <= qpos[:, None]
+                o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
+                                                   scale=self.scale, enable_gqa=True)
+            out[s] = o[0].transpose(0, 1)
+
+    # ---- window heads: sink + recent ring ----------------------------------------
+    def _window(self, ctx: StepContext, wg: WindowGroup, q, k, v, out) -> None:
+        B = ctx.num_decode
+        if B:
+            pos = ctx.positions[:B]
+            ridx = wg.ring_index(pos)
+            slots = ctx.decode_ring_slots
+            # The new token overwrites position p - window, which it no longer sees.
+            wg.k_ring[slots, :, ridx] = k[:B]
+            wg.v_ring[slots, :, ridx] = v[:B]
+            R = wg.sink + wg.window
+            kk, vv = wg.k_ring[slots], wg.v_ring[slots]  # [B, n, R, D]
+            valid = torch.arange(R)[None, :] < torch.clamp(ctx.decode_lens, max=R)[:, None]
+            out[:B] = _grouped_decode(q[:B], kk, vv, valid[:, None, None, :], self.scale)
+        for ch in ctx.prefills:
+            s = slice(ch.offset, ch.offset + ch.length)
+            out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s])
+            # Written after attention: earlier queries of the chunk still need the
+            # ring's older entries. Only tokens that survive the chunk are stored.
+            cpos = torch.arange(ch.start, ch.start + ch.length)
+            keep = (cpos < wg.sink) | (cpos >= ch.start + ch.length - wg.window)
+            idx = keep.nonzero().squeeze(1)
+            ridx = wg.ring_index(cpos[idx])
+            wg.k_ring[ch.ring_slot, :, ridx] = k[s][idx].transpose(0, 1)
+            wg.v_ring[ch.ring_slot, :, ridx] = v[s][idx].transpose(0, 1)
+
+    def _window_prefill(self, wg: WindowGroup, ch: PrefillChunk, q, k, v) -> torch.Tensor:
+        # q: [c, n*g, D]; k, v: [c, n, D]. Each query block sees the ring (context before
+        # the chunk), the chunk's sink tokens and a span of window + block - 1 chunk keys.
+        c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
+        n, D = k.shape[1], k.shape[2]
+        Bq = min(WINDOW_QUERY_BLOCK, c)
+        nb = -(-c // Bq)
+        ring_pos = _ring_positions(sink, W, start)  # [R], -1 where empty
+        n_sc = max(0, min(sink - start, c))
+        qa = torch.arange(nb) * Bq
+        qi = (qa[:, None] + torch.arange(Bq)).clamp(max=c - 1)  # [nb, Bq]
+        span = (qa - W + 1)[:, None] + torch.arange(W + Bq - 1)  # [nb, S]
+        span_ok = (span >= 0) & (span < c) & (span + start >= sink)
+        span_c = span.clamp(0, c - 1)
+        kpos = torch.cat([
+            ring_pos.expand(nb, -1),
+            torch.arange(start, start + n_sc).expand(nb, -1),
+            torch.where(span_ok, span_c + start, -1),
+        ], dim=1)  # [nb, nk]
+        rk, rv = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
+        kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [n, c, D]
+        kk = torch.cat([rk.unsqueeze(0).expand(nb, -1, -1, -1),
+                        kt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1),
+                        kt[:, span_c].transpose(0, 1)], dim=2)  # [nb, n, nk, D]
+        vv = torch.cat([rv.unsqueeze(0).expand(nb, -1, -1, -1),
+                        vt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1),
+                        vt[:, span_c].transpose(0, 1)], dim=2)
+        qpos = (qi + start)[:, :, None]  # [nb, Bq, 1]
+        kp = kpos[:, None, :]
+        mask = (kp >= 0) & (kp <= qpos) & ((kp < sink) | (kp > qpos - W))
+        qq = q[qi].transpose(1, 2)  # [nb, n*g, Bq, D]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None],
+                                           scale=self.scale, enable_gqa=True)
+        return o.transpose(1, 2).reshape(nb * Bq, -1, D)[:c]
+
+
+def _ring_positions(sink: int, window: int, start: int) -> torch.Tensor:
+    """Position held by each ring slot after tokens [0, start) were written; -1 if empty."""
+    i = torch.arange(sink + window)
+    pos = torch.where(i < min(sink, start), i, -1)
+    last = start - 1
+    if last >= sink:
+        off_last = (last - sink) % window
+        recent = last - ((off_last - (i - sink)) % window)
+        pos = torch.where((i >= sink) & (recent >= sink), recent, pos)
+    return pos
+
+
+def _grouped_decode(q, k, v, mask, scale) -> torch.Tensor:
+    # q: [B, n*g, D]; k, v: [B, n, L, D]; one query per sequence, so the g query heads of
+    # a KV head are laid along the query axis and no K/V head is repeated.
+    B, H, D = q.shape
+    n = k.shape[1]
+    o = F.scaled_dot_product_attention(q.view(B, n, H // n, D), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, H, D)

@@ -1,0 +1,47 @@
+"""Per-step batch metadata that attention layers read (set by the model runner).
+
+Token order in a step: the decode tokens of all decoding sequences first, then each
+prefill chunk in turn. Every tensor here is built once per step, never per layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefillChunk:
+    offset: int            # index of the chunk's first token in the flat batch
+    start: int             # position of the chunk's first token in its sequence
+    length: int            # number of tokens in the chunk
+    slots: torch.Tensor    # full-pool slots of positions [0, start + length) if start > 0,
+                           # else of the chunk only
+    ring_slot: int         # the sequence's slot in the window-head ring pool
+
+
+@dataclass
+class StepContext:
+    positions: torch.Tensor                 # [T] int64
+    full_slots: torch.Tensor                # [T] int64 flat slot (block * block_size + offset)
+    num_decode: int = 0
+    decode_slots: torch.Tensor | None = None         # [B, L] int64 full-pool slots, padded
+    decode_mask: torch.Tensor | None = None          # [B, 1, 1, L] bool, True = attend
+    decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
+    decode_ring_slots: torch.Tensor | None = None    # [B] int64
+    prefills: list[PrefillChunk] = field(default_factory=list)
+    logits_indices: torch.Tensor | None = None       # [S] rows whose next token is sampled
+
+
+_CONTEXT: StepContext | None = None
+
+
+def set_context(ctx: StepContext | None) -> None:
+    global _CONTEXT
+    _CONTEXT = ctx
+
+
+def get_context() -> StepContext:
+    if _CONTEXT is None:
+        raise RuntimeError("attention called outside a model-runner step")
+    return _CONTEXT

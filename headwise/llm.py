@@ -1,0 +1,99 @@
+"""Offline API: LLM(model).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from headwise.config import EngineConfig
+from headwise.engine.llm_engine import LLMEngine
+from headwise.engine.sequence import Sequence
+from headwise.sampling import SamplingParams
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    ttft_s: float | None
+    latency_s: float | None
+    num_preemptions: int
+
+    @classmethod
+    def from_seq(cls, seq: Sequence) -> "RequestOutput":
+        has_lp = seq.params.logprobs is not None
+        fin = getattr(seq, "finish_time", None)
+        return cls(
+            request_id=seq.request_id,
+            prompt_token_ids=seq.prompt_token_ids,
+            text=seq.output_text,
+            token_ids=list(seq.output_token_ids),
+            finish_reason=seq.finish_reason,
+            logprobs=list(seq.logprobs) if has_lp else None,
+            top_logprobs=list(seq.top_logprobs) if has_lp and seq.params.logprobs else None,
+            ttft_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
+            latency_s=(fin - seq.arrival_time) if fin else None,
+            num_preemptions=seq.num_preemptions,
+        )
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_options) -> None:
+        self.engine = LLMEngine(EngineConfig.from_options(model, engine_options))
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(self, prompts: "str | list[int] | list[str | list[int]]",
+                 params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        params = params or SamplingParams()
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        # Validate every prompt before any is queued, so bad input leaves nothing behind.
+        encoded = [self.engine.encode(p) for p in prompts]
+        for ids in encoded:
+            self.engine.check_length(len(ids), params.max_tokens)
+        seqs: list[Sequence] = []
+        try:
+            for ids in encoded:
+                seqs.append(self.engine.add_request(ids, params))
+            self._run(seqs, use_tqdm and len(seqs) > 1)
+        except BaseException:
+            for s in seqs:
+                if not s.is_finished:
+                    self.engine.abort(s)
+            raise
+        return [RequestOutput.from_seq(s) for s in seqs]
+
+    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {role, content}) or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.tokenizer.encode_chat(c) for c in convs]
+        return self.generate(prompts, params, use_tqdm)
+
+    def _run(self, seqs: list[Sequence], progress: bool) -> None:
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(seqs), desc="generating", unit="req")
+        done = 0
+        while self.engine.has_unfinished():
+            self.engine.step()
+            if bar is not None:
+                now = sum(s.is_finished for s in seqs)
+                bar.update(now - done)
+                done = now
+        if bar is not None:
+            bar.close()
+
+    def kv_bytes(self, num_tokens: int) -> int:
+        """KV bytes one sequence of `num_tokens` tokens occupies under the current layout."""
+        return self.engine.kv_bytes(num_tokens)
+
+    def cache_usage(self) -> dict[str, dict[str, float]]:
+        return self.engine.cache.usage()
+
+    @property
+    def layout(self):
+        return self.engine.layout

@@ -1,0 +1,101 @@
+"""Decoder-only transformer covering Llama 2/3, Mistral, Qwen2 (q/k/v bias) and Qwen3
+(per-head q/k RMSNorm). Parameter names follow the HF checkpoints so weights load as is.
+The model owns no cache memory: attention reads the views bound by the cache manager.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headwise.layers.attention import HeadSplitAttention
+from headwise.layers.norm import RMSNorm
+from headwise.layers.rotary import RotaryEmbedding
+from headwise.models.config import ModelConfig
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=bias)
+        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
+        self.qk_norm = cfg.qk_norm
+        self.rotary = rotary
+        self.attn = HeadSplitAttention(H, Hkv, D)
+        self.shape = (H, Hkv, D)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        H, Hkv, D = self.shape
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, H, D)
+        k = self.k_proj(x).view(T, Hkv, D)
+        v = self.v_proj(x).view(T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary(positions, q, k)
+        return self.o_proj(self.attn(q, k, v).reshape(T, H * D))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = SelfAttention(cfg, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                 cfg.rope_theta, cfg.rope_scaling)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def attention_layers(self) -> list[HeadSplitAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
+        x = self.model.embed_tokens(input_ids)
+        for layer in self.model.layers:
+            x = layer(x, positions)
+        # Only rows that are sampled go through the norm and the vocabulary projection.
+        x = self.model.norm(x[logits_indices])
+        return self.lm_head(x).float()

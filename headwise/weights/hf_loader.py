@@ -1,0 +1,25 @@
+"""Read a Hugging Face model directory: config.json and *.safetensors."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from headwise.models.config import ModelConfig
+
+
+def load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise FileNotFoundError(f"{path} has no config.json")
+    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=name)
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weight files")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    return cfg, state

@@ -1,0 +1,72 @@
+"""Shared fixtures: tiny random-weight HF models of every supported architecture, saved
+to temp directories, and the default model's tokenizer."""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory) -> Path:
+    """The default model's tokenizer saved as HF files (it comes from the GGUF)."""
+    from headwise.models import default_model_path
+    from transformers import AutoTokenizer
+
+    p = default_model_path()
+    tok = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    d = tmp_path_factory.mktemp("tokenizer")
+    tok.save_pretrained(str(d))
+    return d
+
+
+def make_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, seed: int = 0, **overrides) -> Path:
+    """Random-weight model of `arch` in HF format (config.json + safetensors + tokenizer)."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
+                  rms_norm_eps=1e-6, initializer_range=0.1, tie_word_embeddings=False,
+                  bos_token_id=1, eos_token_id=2)
+    common.update(overrides)
+    cfg = {
+        "llama": lambda: LlamaConfig(rope_theta=10000.0, **common),
+        "mistral": lambda: MistralConfig(sliding_window=None, rope_theta=10000.0, **common),
+        "qwen2": lambda: Qwen2Config(rope_theta=10000.0, **common),
+        "qwen3": lambda: Qwen3Config(head_dim=32, rope_theta=10000.0, **common),
+    }[arch]()
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.1)
+            elif "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(str(directory), safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, directory / f.name)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, tokenizer_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {a: make_tiny_model(a, root / a, tokenizer_dir) for a in ARCHS}
+
+
+@pytest.fixture(scope="session")
+def default_llm():
+    """SmolLM2-135M-Instruct from the GGUF, all heads full (loaded once)."""
+    from headwise import LLM
+
+    return LLM(head_layout="full", kv_cache_memory=1 << 30)

@@ -1,0 +1,103 @@
+"""Block pool, full-head pool, ring pool and cache manager on tiny configurations."""
+import pytest
+import torch
+
+from headwise.cache.block_pool import BlockPool
+from headwise.cache.layout import HeadLayout, HeadSpec
+from headwise.cache.manager import CacheConfigError, KVCacheManager
+from headwise.cache.pool import CacheFullError
+
+F32 = torch.float32
+
+
+def test_block_pool_exact_ids_and_reuse():
+    pool = BlockPool(6)
+    a = pool.take(2)
+    b = pool.take(3)
+    assert (a, b) == ([0, 1], [2, 3, 4])
+    pool.give_back(a)
+    assert pool.take(3) == [5, 0, 1]  # FIFO: never-used block first, then freed ones
+    with pytest.raises(CacheFullError):
+        pool.take(1)
+
+
+def _manager(layout, blocks_bytes=None, max_num_seqs=2, block_size=4):
+    return KVCacheManager(layout, block_size, blocks_bytes, max_num_seqs, F32)
+
+
+def test_full_layout_block_tables_exact():
+    layout = HeadLayout.full((2, 2, 8))
+    block_bytes = 2 * 4 * 4 * 8 * 4  # K+V, 4 full heads, 4 tokens, D=8, fp32
+    m = _manager(layout, 5 * block_bytes)
+    assert m.full.blocks.num_blocks == 5 and m.ring.total_bytes == 0
+    m.allocate(10, 5)           # 5 tokens -> 2 blocks
+    m.allocate(11, 4)           # 1 block
+    assert m.full.tables == {10: [0, 1], 11: [2]}
+    assert m.can_append(10, 12) and not m.can_append(10, 21)
+    m.append(10, 12)            # grows to 3 blocks
+    assert m.full.tables[10] == [0, 1, 3]
+    assert m.full.slots(10, 6, 9).tolist() == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
+    m.free(10)
+    m.allocate(12, 16)
+    assert m.full.tables[12] == [4, 0, 1, 3]
+    m.free(11), m.free(12)
+    assert m.full.blocks.num_free == 5 and m.usage()["full"]["used_bytes"] == 0
+
+
+def test_no_leaked_blocks_after_many_sequences():
+    layout = HeadLayout.full((1, 1, 4))
+    m = _manager(layout, 2 * 1 * 4 * 4 * 4 * 16, max_num_seqs=4)
+    g = torch.Generator().manual_seed(0)
+    live = {}
+    for sid in range(500):
+        n = int(torch.randint(1, 20, (1,), generator=g))
+        while not m.can_allocate(n):
+            m.free(live.pop(min(live)))
+        m.allocate(sid, n)
+        live[sid] = sid
+    for sid in list(live):
+        m.free(sid)
+    assert m.full.blocks.num_free == 16 and not m.full.tables
+
+
+def test_mixed_layout_storage_and_kv_bytes():
+    # layer 0: 1 full + 1 window; layer 1: 0 full + 2 window (different windows)
+    heads = [[HeadSpec("full"), HeadSpec("window", 2, 4)],
+             [HeadSpec("window", 2, 4), HeadSpec("window", 1, 3)]]
+    layout = HeadLayout("m", 2, 2, 8, heads)
+    ring_seq = 2 * ((2 + 4) + (2 + 4) + (1 + 3)) * 8 * 4
+    block = 2 * 1 * 4 * 8 * 4
+    m = _manager(layout, 3 * ring_seq + 10 * block, max_num_seqs=3)
+    assert m.ring.total_bytes == 3 * ring_seq
+    assert m.full.blocks.num_blocks == 10
+    assert m.full.k.shape == (1, 40, 8)  # only the one full head is stored
+    assert m.kv_bytes(9) == 3 * block + ring_seq
+    m.allocate(1, 9)
+    m.allocate(2, 1)
+    assert m.ring.slot_of == {1: 0, 2: 1}
+    assert m.usage()["ring"]["used_bytes"] == 2 * ring_seq
+    assert m.usage()["full"]["used_bytes"] == 4 * block
+    # actually allocated bytes equal kv_bytes
+    actual = m.full.k.numel() * 4 * 2 + m.ring.storage.numel() * 4
+    assert actual == m.ring.total_bytes + m.full.total_bytes
+    m.allocate(3, 1)
+    assert not m.can_allocate(1)  # ring pool is the limit now
+    m.free(2)
+    assert m.can_allocate(1)
+
+
+def test_kv_bytes_25_percent_full_at_8k():
+    shape = (30, 3, 64)  # SmolLM2
+    pairs = [(l, h) for l in range(30) for h in range(3)]
+    quarter = HeadLayout.from_full_set("q", shape, set(pairs[: int(0.25 * 90)]))
+    full = KVCacheManager(HeadLayout.full(shape), 16, 1 << 30, 8, F32)
+    split = KVCacheManager(quarter, 16, 1 << 30, 8, F32)
+    assert split.kv_bytes(8192) * 3.5 <= full.kv_bytes(8192)
+    assert full.kv_bytes(8192) == 2 * 90 * 8192 * 64 * 4
+
+
+def test_budget_too_small_is_a_clear_error():
+    with pytest.raises(CacheConfigError, match="max_num_seqs"):
+        _manager(HeadLayout.window((2, 2, 8), 4, 8), 100, max_num_seqs=4)
+    with pytest.raises(CacheConfigError, match="no room for one full-head block"):
+        _manager(HeadLayout.full((2, 2, 8)), 10)
