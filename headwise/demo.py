@@ -8,9 +8,9 @@ import argparse
 def _run(llm, prompt, max_tokens: int = 24) -> dict:
     from headwise import SamplingParams
 
-    out = llm.chat(prompt.messages, SamplingParams(max_tokens=max_tokens), use_tqdm=False)[0]
+    out = llm.generate(prompt.text, SamplingParams(max_tokens=max_tokens, stop=["\n"]), use_tqdm=False)[0]
     # Decode speed measured separately on a fixed number of tokens (no early stop).
-    d = llm.chat(prompt.messages, SamplingParams(max_tokens=33, ignore_eos=True), use_tqdm=False)[0]
+    d = llm.generate(prompt.text, SamplingParams(max_tokens=33, ignore_eos=True), use_tqdm=False)[0]
     decode_s = d.latency_s - d.ttft_s
     return {
         "answer": out.text.strip().replace("\n", " "),
@@ -34,7 +34,7 @@ def run_demo(args: argparse.Namespace) -> int:
     rows = []
     llm = LLM(args.model, head_layout="full", **opts)
     prompt = passkey_prompt(llm.tokenizer, args.tokens, depth=0.4, seed=7)
-    print(f"document: {len(llm.tokenizer.encode_chat(prompt.messages))} tokens, "
+    print(f"document: {len(llm.tokenizer.encode(prompt.text))} tokens, "
           f"pass key hidden at 40% depth; asking for it.\n", flush=True)
     rows.append(("full", _run(llm, prompt)))
     del llm

@@ -47,6 +47,8 @@ class HeadSplitAttention(nn.Module):
         self.k_full: torch.Tensor | None = None  # [num_full, num_slots, D]
         self.v_full: torch.Tensor | None = None
         self.window_groups: list[WindowGroup] = []
+        # Optional callback (q, k, v) used by calibration to read a layer's heads.
+        self.observer = None
 
     def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup]) -> None:
         self.num_full = num_full
@@ -55,6 +57,8 @@ class HeadSplitAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
+        if self.observer is not None:
+            self.observer(q, k, v)
         ctx = get_context()
         out = torch.empty_like(q)
         g = self.group
@@ -75,8 +79,9 @@ class HeadSplitAttention(nn.Module):
         B = ctx.num_decode
         if B:
             slots = ctx.decode_slots  # [B, L]
-            kk = kc[:, slots].transpose(0, 1)  # [B, nf, L, D]
-            vv = vc[:, slots].transpose(0, 1)
+            shape = (kc.shape[0], *slots.shape, kc.shape[2])
+            kk = kc.index_select(1, slots.view(-1)).view(shape)  # [nf, B, L, D]
+            vv = vc.index_select(1, slots.view(-1)).view(shape)
             out[:B] = _grouped_decode(q[:B], kk, vv, ctx.decode_mask, self.scale)
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
@@ -87,8 +92,8 @@ class HeadSplitAttention(nn.Module):
                 o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True,
                                                    scale=self.scale, enable_gqa=True)
             else:
-                kk = kc[:, ch.slots].unsqueeze(0)  # [1, nf, start + c, D]
-                vv = vc[:, ch.slots].unsqueeze(0)
+                kk = kc.index_select(1, ch.slots).unsqueeze(0)  # [1, nf, start + c, D]
+                vv = vc.index_select(1, ch.slots).unsqueeze(0)
                 qpos = torch.arange(ch.start, ch.start + ch.length)
                 mask = torch.arange(ch.start + ch.length)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
@@ -106,7 +111,8 @@ class HeadSplitAttention(nn.Module):
             wg.k_ring[slots, :, ridx] = k[:B]
             wg.v_ring[slots, :, ridx] = v[:B]
             R = wg.sink + wg.window
-            kk, vv = wg.k_ring[slots], wg.v_ring[slots]  # [B, n, R, D]
+            kk = wg.k_ring.index_select(0, slots).transpose(0, 1)  # [n, B, R, D]
+            vv = wg.v_ring.index_select(0, slots).transpose(0, 1)
             valid = torch.arange(R)[None, :] < torch.clamp(ctx.decode_lens, max=R)[:, None]
             out[:B] = _grouped_decode(q[:B], kk, vv, valid[:, None, None, :], self.scale)
         for ch in ctx.prefills:
@@ -170,9 +176,13 @@ def _ring_positions(sink: int, window: int, start: int) -> torch.Tensor:
 
 
 def _grouped_decode(q, k, v, mask, scale) -> torch.Tensor:
-    # q: [B, n*g, D]; k, v: [B, n, L, D]; one query per sequence, so the g query heads of
-    # a KV head are laid along the query axis and no K/V head is repeated.
+    # q: [B, n*g, D]; k, v: [n, B, L, D]; mask: [B, 1, 1, L] (True = attend).
+    # One query per sequence: the g query heads of a KV head form the query axis of a
+    # plain batched matmul, so K/V are read once and never repeated per query head.
     B, H, D = q.shape
-    n = k.shape[1]
-    o = F.scaled_dot_product_attention(q.view(B, n, H // n, D), k, v, attn_mask=mask, scale=scale)
-    return o.reshape(B, H, D)
+    n = k.shape[0]
+    qh = q.view(B, n, H // n, D).transpose(0, 1)  # [n, B, g, D]
+    s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [n, B, g, L]
+    s = s.masked_fill(~mask.view(1, B, 1, -1), float("-inf"))
+    p = torch.softmax(s, dim=-1).to(v.dtype)
+    return torch.matmul(p, v).transpose(0, 1).reshape(B, H, D)

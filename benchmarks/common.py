@@ -1,0 +1,121 @@
+"""Shared measuring code for the benchmark scripts (no pass/fail, only figures)."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
+          "There and back again. ")
+
+
+@dataclass
+class Stat:
+    median: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, xs: list[float]) -> "Stat":
+        return cls(statistics.median(xs), min(xs), max(xs))
+
+    def fmt(self, spec: str = ".2f") -> str:
+        return f"{self.median:{spec}} [{self.lo:{spec}}-{self.hi:{spec}}]"
+
+
+def prompt_ids(tokenizer, num_tokens: int, salt: int = 0) -> list[int]:
+    """Exactly `num_tokens` token ids of filler text (varied by `salt`)."""
+    text = f"Document {salt}. " + FILLER * (num_tokens // 8 + 8)
+    ids = tokenizer.encode(text)
+    if len(ids) < num_tokens:
+        raise ValueError("filler too short")
+    return ids[:num_tokens]
+
+
+def headwise_single(llm, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(time to first token s, decode tokens/s) for one request at batch 1."""
+    from headwise import SamplingParams
+
+    out = llm.generate([ids], SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True), use_tqdm=False)[0]
+    return out.ttft_s, new_tokens / (out.latency_s - out.ttft_s)
+
+
+def headwise_aggregate(llm, context: int, num_seqs: int, steps: int) -> float:
+    """Aggregate decode tokens/s with `num_seqs` sequences whose cache already holds
+    `context` tokens. The prefill is skipped (sequences are placed in the cache directly):
+    decode cost depends on cache sizes, not on the cached values."""
+    from headwise import SamplingParams
+    from headwise.engine.sequence import Sequence, SeqStatus
+
+    eng = llm.engine
+    seqs = []
+    for i in range(num_seqs):
+        seq = Sequence([(7 * i + j) % 1000 + 100 for j in range(context)],
+                       SamplingParams(max_tokens=steps + 1, ignore_eos=True))
+        seq.arrival_time, seq.first_token_time, seq.token_times = time.perf_counter(), None, []
+        eng.cache.allocate(seq.seq_id, context)
+        seq.num_computed_tokens = context - 1
+        seq.status = SeqStatus.RUNNING
+        eng.scheduler.running.append(seq)
+        seqs.append(seq)
+    eng.step()  # warm-up step
+    t0 = time.perf_counter()
+    done = 0
+    for _ in range(steps):
+        done += len(eng.step())
+    dt = time.perf_counter() - t0
+    for s in seqs:
+        if not s.is_finished:
+            eng.abort(s)
+    return done / dt
+
+
+class TimingStreamer:
+    """HF streamer recording when the prompt and each new token arrive."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_single(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
+    """(time to first token s, decode tokens/s) of transformers generate at batch 1."""
+    s = TimingStreamer()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        model.generate(torch.tensor([ids]), max_new_tokens=new_tokens + 1, min_new_tokens=new_tokens + 1,
+                       do_sample=False, streamer=s, pad_token_id=0)
+    # times[0]: prompt handed over; times[1]: first new token; times[-1]: last one.
+    return s.times[1] - t0, new_tokens / (s.times[-1] - s.times[1])
+
+
+def load_hf_default(dtype=torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    from headwise.models import default_model_path
+
+    p = default_model_path()
+    return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()
+
+
+def machine() -> str:
+    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return (f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, {mem:.0f} GiB, "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads, {time.strftime('%Y-%m-%d')}")
+
+
+def save(path: str, payload: dict, table: str) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(payload, indent=1))
+    Path(path).with_suffix(".md").write_text(table + "\n")
