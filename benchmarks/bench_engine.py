@@ -31,7 +31,7 @@ def main() -> None:
     lengths = sorted({int(x) for x in a.prefill.split(",")} | {int(x) for x in a.decode.split(",")})
     rows, records = [], []
     for L in lengths:
-        ids = prompt_ids(tok, L, salt=L)
+        ids = prompt_ids(tok, min(L, llm.engine.max_model_len - a.new_tokens - 1), salt=L)
         res = {}
         for name, fn in (("headwise", lambda: headwise_single(llm, ids, a.new_tokens)),
                          ("transformers", lambda: hf_single(hf, ids, a.new_tokens))):

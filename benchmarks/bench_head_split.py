@@ -55,7 +55,7 @@ def main() -> None:
         label = f"{name} ({llm.layout.full_fraction:.1%} full heads)"
         headwise_single(llm, prompt_ids(llm.tokenizer, 512), 4)  # warm-up
         for L in contexts:
-            ids = prompt_ids(llm.tokenizer, L, salt=L)
+            ids = prompt_ids(llm.tokenizer, min(L, llm.engine.max_model_len - a.new_tokens - 1), salt=L)
             runs = [headwise_single(llm, ids, a.new_tokens) for _ in range(a.runs)]
             per_seq = llm.kv_bytes(L + a.agg_steps + 2)
             conc = budget // per_seq

@@ -56,6 +56,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from headwise.config import EngineConfig
+    from headwise.engine.llm_engine import LLMEngine
+    from headwise.server.app import serve
+
+    if args.max_queue < 1:
+        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
+    engine = LLMEngine(EngineConfig.from_options(args.model, engine_options(args)))
+    serve(engine, args.host, args.port, args.max_queue, args.served_model_name)
+    return 0
+
+
 class UsageError(ValueError):
     pass
 
@@ -81,6 +93,23 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_args(d)
     d.add_argument("--tokens", type=int, default=6000, help="document length in tokens")
     d.set_defaults(func=cmd_demo)
+
+    from headwise.evaluation.cli import add_calibrate, add_eval
+
+    add_calibrate(sub)
+    add_eval(sub)
+
+    sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    _engine_args(sv)
+    sv.add_argument("--host", default="127.0.0.1")
+    sv.add_argument("--port", type=int, default=8000)
+    sv.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 503")
+    sv.add_argument("--served-model-name", default=None)
+    sv.set_defaults(func=cmd_serve)
+
+    from headwise.bench_serve import add_bench
+
+    add_bench(sub)
     return parser
 
 

@@ -1,0 +1,3 @@
+from headwise.calibration.calibrate import calibrate
+
+__all__ = ["calibrate"]

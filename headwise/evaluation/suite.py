@@ -1,0 +1,83 @@
+"""Runs the evaluation over several layouts (plus baselines) and writes the outputs."""
+from __future__ import annotations
+
+from headwise.cache.layout import DEFAULT_SINK, HeadLayout
+from headwise.evaluation import runner
+
+
+def _name(spec, layout: HeadLayout) -> str:
+    if isinstance(spec, str) and spec in ("full", "window"):
+        return spec
+    return layout.name
+
+
+def equal_bytes_window(layout: HeadLayout, length: int, dtype_bytes: int = 4,
+                       block_size: int = 16) -> HeadLayout:
+    """All-window layout (StreamingLLM) whose KV bytes at `length` match `layout`'s."""
+    L, H, D = layout.shape
+    per_token = 2 * D * dtype_bytes
+    full_heads = sum(layout.num_full(l) for l in range(L))
+    blocks = -(-length // block_size)
+    total = full_heads * blocks * block_size * per_token
+    total += sum(s.ring_size for row in layout.heads for s in row) * per_token
+    ring = total // (L * H * per_token)
+    sink = min(DEFAULT_SINK, ring // 4)
+    out = HeadLayout.window(layout.shape, sink=sink, window=max(1, ring - sink), model=layout.model)
+    out.name = "window-same-KV"
+    return out
+
+
+def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir):
+    from tqdm import tqdm
+
+    from headwise import LLM
+
+    specs = list(layout_specs or [])
+    opts = dict(kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
+    ref = LLM(model, head_layout="full", **opts)
+    shape = ref.layout.shape
+    if not specs:
+        from headwise.layouts import shipped_layout
+
+        shipped = shipped_layout(ref.engine.model_name, shape)
+        specs = ["full"] + ([shipped] if shipped is not None else [])
+    if "full" not in specs:
+        specs = ["full"] + specs
+    plan: list[tuple[str, object, list[int]]] = []
+    split = None
+    for spec in specs:
+        lay = spec if isinstance(spec, HeadLayout) else (
+            HeadLayout.full(shape) if spec == "full" else HeadLayout.window(shape) if spec == "window"
+            else HeadLayout.load(spec))
+        plan.append((_name(spec, lay), lay, lengths))
+        if split is None and 0 < lay.full_fraction < 1:
+            split = lay
+    if baselines and split is not None:
+        plan.append((f"random-{split.full_fraction:.0%}",
+                     HeadLayout.random(shape, split.full_fraction, seed=0), lengths))
+        for L in lengths:
+            plan.append(("window-same-KV", equal_bytes_window(split, L), [L]))
+    per_length = (5 * sum(t in task_names for t in ("passkey", "niah")) * seeds
+                  + (3 * max(3, seeds) if "ruler" in task_names else 0)
+                  + ("ppl" in task_names) + ("agreement" in task_names))
+    bar = tqdm(total=per_length * sum(len(ls) for _, _, ls in plan), desc="evaluating", unit="prompt")
+    records, full_outputs = [], None
+    for name, lay, ls in plan:
+        llm = ref if name == "full" else LLM(model, head_layout=lay, **opts)
+        recs, outs = runner.evaluate_layout(llm, name, task_names, ls, seeds,
+                                            None if name == "full" else full_outputs, bar)
+        if name == "full":
+            full_outputs = outs
+            if "agreement" in task_names:
+                recs += [runner.Record("full", "agreement", L, 1.0, 2) for L in ls]
+        records += recs
+        if llm is not ref:
+            del llm
+    bar.close()
+    names = list(dict.fromkeys(n for n, _, _ in plan))
+    text = runner.table(records, names, lengths)
+    if json_path:
+        runner.write_json(records, json_path)
+    if plot_dir:
+        runner.heatmaps(records, plot_dir)
+    return records, text

@@ -1,0 +1,191 @@
+"""Long-context task generators (seeded, no downloads) and their scorers.
+
+Every generator returns a Sample whose prompt is within 2% of the requested token count
+and whose needle sits at the requested depth (fraction of the haystack before it).
+Haystacks are either the classic passkey filler or English prose from the license texts
+Debian ships in every installation (package base-files, /usr/share/common-licenses).
+"""
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from headwise.evaluation.passkey import FILLER
+
+PROSE_DIR = Path("/usr/share/common-licenses")
+PROSE_FILES = ["GPL-3", "Apache-2.0", "GFDL-1.3", "MPL-2.0", "LGPL-2.1", "GPL-2", "Artistic", "CC0-1.0"]
+
+CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Dublin", "Cairo", "Perth", "Zagreb",
+          "Bogota", "Tallinn", "Accra", "Osaka", "Seville", "Bergen", "Tunis", "Manila", "Lyon", "Krakow"]
+WORDS = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "candle", "forest", "rocket",
+         "silver", "garden", "window", "planet", "violin", "harbor", "marble", "falcon", "meadow", "copper",
+         "anchor", "basket", "castle", "dragon", "engine", "feather", "glacier", "helmet", "island", "jacket"]
+
+
+@dataclass
+class Sample:
+    task: str
+    text: str
+    answers: list[str]          # every expected answer string
+    depth: float | None = None
+    length: int = 0             # requested length in tokens
+    needles: list[str] = field(default_factory=list)  # needle sentences, for calibration
+
+
+def prose_sentences() -> list[str]:
+    """Sentences of English prose from Debian's license texts, in file order."""
+    missing = [f for f in PROSE_FILES if not (PROSE_DIR / f).is_file()]
+    if missing:
+        raise FileNotFoundError(f"prose haystack needs {PROSE_DIR}/{missing[0]} (Debian package base-files)")
+    text = " ".join((PROSE_DIR / f).read_text(errors="replace") for f in PROSE_FILES)
+    text = re.sub(r"\s+", " ", text)
+    return [s.strip() + " " for s in re.split(r"(?<=[.;:])\s+", text) if len(s.split()) >= 4]
+
+
+class Haystack:
+    """Pieces of filler with known token counts, cut to a token budget."""
+
+    def __init__(self, tokenizer, pieces: list[str]) -> None:
+        self.pieces = pieces
+        self.counts = [len(tokenizer.encode(p, add_special_tokens=False)) for p in pieces]
+
+    def take(self, num_tokens: int, start: int = 0) -> list[str]:
+        out, total, i = [], 0, start
+        n = len(self.pieces)
+        while total < num_tokens:
+            out.append(self.pieces[i % n])
+            total += self.counts[i % n]
+            i += 1
+        return out
+
+
+_HAYSTACKS: dict[tuple[int, str], Haystack] = {}
+
+
+def haystack(tokenizer, kind: str) -> Haystack:
+    key = (id(tokenizer), kind)
+    if key not in _HAYSTACKS:
+        pieces = prose_sentences() if kind == "prose" else [s + ". " for s in FILLER.split(". ") if s.strip()]
+        _HAYSTACKS[key] = Haystack(tokenizer, pieces)
+    return _HAYSTACKS[key]
+
+
+def _build(tokenizer, num_tokens: int, kind: str, head: str, needles: list[tuple[float, str]],
+           question: str, seed: int) -> str:
+    """Haystack of `kind` with each needle inserted at its depth, sized to num_tokens."""
+    hs = haystack(tokenizer, kind)
+    start = random.Random(seed).randrange(len(hs.pieces)) if kind == "prose" else 0
+    n = len(hs.pieces)
+
+    def make(budget: float) -> str:
+        kept, cum, total, i = [], [0], 0, start
+        while total + hs.counts[i % n] <= budget:
+            kept.append(hs.pieces[i % n])
+            total += hs.counts[i % n]
+            cum.append(total)
+            i += 1
+        # Needles go at the piece boundary nearest their depth in tokens, deepest first
+        # so earlier insertions do not shift later ones.
+        for depth, needle in sorted(needles, key=lambda x: -x[0]):
+            kept.insert(min(range(len(cum)), key=lambda j: abs(cum[j] - depth * total)), needle)
+        return head + "".join(kept) + question
+
+    return _fit(tokenizer, num_tokens, make)
+
+
+def _fit(tokenizer, num_tokens: int, make) -> str:
+    """Call make(budget) with budgets corrected until the prompt is within 1% of num_tokens
+    (pieces tokenize slightly differently alone and in context)."""
+    budget = float(num_tokens)
+    best = None
+    for _ in range(6):
+        text = make(budget)
+        got = len(tokenizer.encode(text))
+        if best is None or abs(got - num_tokens) < abs(best[1] - num_tokens):
+            best = (text, got)
+        if abs(got - num_tokens) <= 0.01 * num_tokens:
+            break
+        budget += num_tokens - got
+    return best[0]
+
+
+def passkey(tokenizer, num_tokens: int, depth: float, seed: int = 0) -> Sample:
+    from headwise.evaluation.passkey import HEAD, QUESTION
+
+    key = str(random.Random(seed).randint(10000, 99999))
+    needle = f" The pass key is {key}. Remember it. {key} is the pass key. "
+    text = _build(tokenizer, num_tokens, "filler", HEAD, [(depth, needle)], QUESTION, seed)
+    return Sample("passkey", text, [key], depth, num_tokens, [needle])
+
+
+def niah(tokenizer, num_tokens: int, depth: float, seed: int = 0) -> Sample:
+    """A fact in real prose: 'The special magic number for <city> is <n>.'"""
+    rng = random.Random(seed)
+    city, num = rng.choice(CITIES), str(rng.randint(100000, 999999))
+    needle = f" The special magic number for {city} is {num}. "
+    head = "Read the following text carefully; a special magic number is hidden in it.\n\n"
+    q = f"\n\nWhat is the special magic number for {city} mentioned in the text above? The special magic number for {city} is"
+    text = _build(tokenizer, num_tokens, "prose", head, [(depth, needle)], q, seed)
+    return Sample("niah", text, [num], depth, num_tokens, [needle])
+
+
+def multikey(tokenizer, num_tokens: int, depth: float, seed: int = 0, keys: int = 4) -> Sample:
+    """RULER multi-key NIAH: several city -> number facts; ask for one of them."""
+    rng = random.Random(seed)
+    cities = rng.sample(CITIES, keys)
+    nums = [str(rng.randint(100000, 999999)) for _ in cities]
+    needles = [f" The special magic number for {c} is {n}. " for c, n in zip(cities, nums)]
+    depths = [depth] + [rng.random() for _ in cities[1:]]
+    head = "Read the following text carefully; special magic numbers for several cities are hidden in it.\n\n"
+    q = (f"\n\nWhat is the special magic number for {cities[0]} mentioned in the text above? "
+         f"The special magic number for {cities[0]} is")
+    text = _build(tokenizer, num_tokens, "prose", head, list(zip(depths, needles)), q, seed)
+    return Sample("multikey", text, [nums[0]], depth, num_tokens, [needles[0]])
+
+
+def variable_tracking(tokenizer, num_tokens: int, depth: float, seed: int = 0, hops: int = 3) -> Sample:
+    """RULER variable tracking: VAR A = n, VAR B = VAR A, ...; name every variable equal to n."""
+    rng = random.Random(seed)
+    names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)]
+    value = str(rng.randint(10000, 99999))
+    chain = [f" VAR {names[0]} = {value}. "] + [f" VAR {names[i + 1]} = VAR {names[i]}. " for i in range(hops)]
+    depths = sorted([depth] + [rng.uniform(depth, 1.0) for _ in range(hops)])
+    head = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
+    q = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above. "
+         f"Answer: According to the chain of variable assignments, the variables assigned the value {value} are:")
+    text = _build(tokenizer, num_tokens, "filler", head, list(zip(depths, chain)), q, seed)
+    return Sample("vartrack", text, names, depth, num_tokens, chain)
+
+
+def common_words(tokenizer, num_tokens: int, depth: float = 0.0, seed: int = 0, top: int = 3) -> Sample:
+    """RULER common-word extraction: a numbered word list where `top` words repeat most."""
+    rng = random.Random(seed)
+    common = rng.sample(WORDS, top)
+    rare = [w for w in WORDS if w not in common]
+    head = "Below is a numbered list of words. In these words, some appear more often than others.\n\n"
+    q = (f"\n\nQuestion: What are the {top} most common words in the above list? "
+         f"Answer: The top {top} words that appear most often in the list are:")
+    order = [rng.random() for _ in range(100000)]
+
+    def make(budget: float) -> str:
+        n = max(top * 4, int(budget / 5.5))
+        words = [common[i % top] for i in range(n // 4)] + [rare[int(order[i] * len(rare))] for i in range(n - n // 4)]
+        random.Random(seed).shuffle(words)
+        return head + " ".join(f"{i + 1}. {w}" for i, w in enumerate(words)) + q
+
+    text = _fit(tokenizer, num_tokens, make)
+    return Sample("cwe", text, common, None, num_tokens, [])
+
+
+TASKS = {"passkey": passkey, "niah": niah, "multikey": multikey, "vartrack": variable_tracking,
+         "cwe": common_words}
+RULER_TASKS = ("multikey", "vartrack", "cwe")
+
+
+def score(sample: Sample, output: str) -> float:
+    """Fraction of expected answers present in the output (1.0 / 0.0 for single answers)."""
+    out = output.lower()
+    hits = sum(a.lower() in out for a in sample.answers)
+    return hits / len(sample.answers)

@@ -1,0 +1,54 @@
+"""Prometheus metrics in vLLM's naming style (prefix `headwise:`)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+
+
+class Metrics:
+    def __init__(self, model_name: str) -> None:
+        self.registry = r = CollectorRegistry()
+        lbl = ["model_name"]
+        self.model = model_name
+        self.running = Gauge("headwise:num_requests_running", "Requests in the running batch", lbl, registry=r)
+        self.waiting = Gauge("headwise:num_requests_waiting", "Requests waiting to be scheduled", lbl, registry=r)
+        self.kv_usage = Gauge("headwise:kv_cache_usage_perc", "Fraction of a KV pool in use (1 = full)",
+                              lbl + ["pool"], registry=r)
+        self.kv_bytes = Gauge("headwise:kv_cache_used_bytes", "Bytes of a KV pool in use", lbl + ["pool"], registry=r)
+        self.ttft = Histogram("headwise:time_to_first_token_seconds", "Time to first token", lbl,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("headwise:inter_token_latency_seconds", "Time between output tokens", lbl,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("headwise:e2e_request_latency_seconds", "End-to-end request latency", lbl,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.preemptions = Counter("headwise:num_preemptions", "Preempted requests (recomputed later)", lbl, registry=r)
+        self.prompt_tokens = Counter("headwise:prompt_tokens", "Prefilled prompt tokens", lbl, registry=r)
+        self.generation_tokens = Counter("headwise:generation_tokens", "Generated tokens", lbl, registry=r)
+        self.finished = Counter("headwise:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
+
+    def update_state(self, running: int, waiting: int, usage: dict) -> None:
+        m = self.model
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        for pool, u in usage.items():
+            self.kv_usage.labels(m, pool).set(u["usage"])
+            self.kv_bytes.labels(m, pool).set(u["used_bytes"])
+
+    def on_finished(self, seq) -> None:
+        m = self.model
+        self.finished.labels(m, seq.finish_reason or "abort").inc()
+        if seq.finish_reason == "abort":
+            return
+        self.prompt_tokens.labels(m).inc(seq.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(len(seq.output_token_ids))
+        if seq.first_token_time is not None:
+            self.ttft.labels(m).observe(seq.first_token_time - seq.arrival_time)
+        times = seq.token_times
+        for a, b in zip(times, times[1:]):
+            self.itl.labels(m).observe(b - a)
+        if times:
+            self.e2e.labels(m).observe(times[-1] - seq.arrival_time)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,93 @@
+"""Calibration (tiny random model) and the evaluation task generators and scorers."""
+import json
+
+import pytest
+
+from headwise.cache.layout import HeadLayout
+from headwise.evaluation import tasks
+from headwise.evaluation.suite import equal_bytes_window
+
+
+def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
+    from headwise.calibration import calibrate
+
+    kw = dict(full_fraction=0.5, sink=4, window=16, num_samples=3, lengths=(96, 128), rounds=1,
+              progress=False)
+    a = calibrate(str(tiny_models["llama"]), seed=3, **kw)
+    b = calibrate(str(tiny_models["llama"]), seed=3, **kw)
+    assert a.heads == b.heads and a.scores == b.scores
+    assert a.shape == (2, 2, 16)
+    assert len(a.scores) == 2 and all(len(r) == 2 for r in a.scores)
+    assert sum(a.num_full(l) for l in range(2)) == 2  # 50% of 4 KV heads
+    assert all(s.window == 16 and s.sink == 4 for row in a.heads for s in row if s.kind == "window")
+    f = tmp_path / "cal.json"
+    a.save(f)
+    back = HeadLayout.load(f)
+    assert back.heads == a.heads and back.scores == a.scores
+    assert json.loads(f.read_text())["model"] == "llama"
+
+
+def test_calibrate_rejects_bad_fraction(tiny_models):
+    from headwise.calibration import calibrate
+
+    with pytest.raises(ValueError, match="full_fraction"):
+        calibrate(str(tiny_models["llama"]), full_fraction=1.5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from headwise.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(tokenizer_dir)
+
+
+@pytest.mark.parametrize("kind", list(tasks.TASKS))
+@pytest.mark.parametrize("length", [1024, 4096])
+def test_generated_prompts_have_requested_length_and_depth(tok, kind, length):
+    for depth in (0.0, 0.5, 1.0):
+        s = tasks.TASKS[kind](tok, length, depth, seed=11)
+        n = len(tok.encode(s.text))
+        assert abs(n - length) <= 0.02 * length, (kind, n)
+        if kind in ("passkey", "niah", "multikey"):
+            at = len(tok.encode(s.text[: s.text.index(s.needles[0])]))
+            assert abs(at / n - depth) <= 0.05, (kind, depth, at / n)
+
+
+def test_generators_are_seeded(tok):
+    assert tasks.niah(tok, 1024, 0.3, seed=5).text == tasks.niah(tok, 1024, 0.3, seed=5).text
+    assert tasks.niah(tok, 1024, 0.3, seed=5).answers != tasks.niah(tok, 1024, 0.3, seed=6).answers
+
+
+def test_scorers_on_hand_written_outputs(tok):
+    pk = tasks.passkey(tok, 1024, 0.5, seed=1)
+    assert tasks.score(pk, f" {pk.answers[0]}. Remember it.") == 1.0
+    assert tasks.score(pk, " 12. a magical number") == 0.0
+    vt = tasks.variable_tracking(tok, 1024, 0.2, seed=1)
+    assert tasks.score(vt, " ".join(vt.answers)) == 1.0
+    assert tasks.score(vt, vt.answers[0] + " and XYZ") == pytest.approx(1 / len(vt.answers))
+    cw = tasks.common_words(tok, 1024, seed=1)
+    assert tasks.score(cw, ", ".join(cw.answers)) == 1.0
+    assert tasks.score(cw, "banana, kiwi") == 0.0
+
+
+def test_common_words_really_are_most_common(tok):
+    from collections import Counter
+
+    cw = tasks.common_words(tok, 2048, seed=4)
+    body = cw.text.split("\n\n")[1]
+    counts = Counter(w for w in body.split() if w.isalpha())
+    assert {w for w, _ in counts.most_common(3)} == set(cw.answers)
+
+
+def test_equal_bytes_window_baseline_matches_kv_bytes():
+    import torch
+
+    from headwise.cache.manager import KVCacheManager
+
+    shape = (30, 3, 64)
+    split = HeadLayout.random(shape, 0.25, seed=1)
+    for L in (1024, 8000):
+        w = equal_bytes_window(split, L)
+        a = KVCacheManager(split, 16, 1 << 30, 2, torch.float32).kv_bytes(L)
+        b = KVCacheManager(w, 16, 1 << 30, 2, torch.float32).kv_bytes(L)
+        assert abs(a - b) / a < 0.01
