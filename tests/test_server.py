@@ -280,3 +280,15 @@ def test_metrics_series_present_and_moving(server):
     assert _metric(url, "headwise:prompt_tokens_total") > before["headwise:prompt_tokens_total"]
     assert _metric(url, "headwise:time_to_first_token_seconds_count") == before[
         "headwise:time_to_first_token_seconds_count"] + 1
+
+
+def test_bench_serve_reports_every_figure(server):
+    from headwise.bench_serve import format_result, run_bench
+
+    url, _ = server
+    r = asyncio.run(run_bench(url, num_requests=4, concurrency=2, prompt_tokens=40, max_tokens=6))
+    assert r["completed"] == 4 and r["failed"] == 0
+    for k in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(r[k]) == {"mean", "median", "p99"} and r[k]["median"] > 0
+    assert r["output_tokens_per_s"] > 0 and r["request_throughput"] > 0
+    assert "ttft" in format_result(r)

@@ -1,0 +1,163 @@
+"""`make bench`: headwise (calibrated layout), headwise (`full`), HF transformers and
+llama.cpp (llama-cpp-python on the same GGUF) side by side on the default model.
+
+Per system and context: time to first token, decode tokens/s at batch 1, KV bytes per
+sequence, sequences that fit a fixed KV budget, aggregate decode tokens/s with that many
+sequences, peak resident memory. Median [min-max] of --runs runs. Writes a Markdown
+table, bench/results.json and bench/results.png.
+
+    python benchmarks/bench_peers.py [--contexts 1024,2048,4096,8192] [--runs 3] [--budget-gib 2]
+
+Aggregate decode is measured with every sequence's cache already at the context length:
+headwise places sequences in its cache directly, transformers replicates one prefilled
+cache across the batch; neither runs the batch's prefill (decode cost does not depend on
+the cached values). llama.cpp: its unified KV cache is given n_ctx = budget / (bytes per
+token) with n_seq_max sequences of `context` tokens each, decoded together in one batch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks import peers  # noqa: E402
+from benchmarks.common import Stat, machine  # noqa: E402
+
+FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
+          "max_concurrency", "peak_rss_bytes")
+
+
+def peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def measure(system, contexts, runs, budget, new_tokens, agg_steps) -> list[dict]:
+    """One system over all contexts -> records (medians; min/max alongside)."""
+    recs = []
+    for L in contexts:
+        single = [system.single(L, new_tokens) for _ in range(runs)]
+        conc = system.max_concurrency(L + agg_steps + 2, budget)
+        agg = [system.aggregate(L, conc, agg_steps) for _ in range(runs)] if conc > 0 else [0.0]
+        ttft, dec, ag = Stat.of([s[0] for s in single]), Stat.of([s[1] for s in single]), Stat.of(agg)
+        rec = {"system": system.name, "context": L, "ttft_s": ttft.median, "decode_tok_s": dec.median,
+               "agg_tok_s": ag.median, "kv_bytes_per_seq": system.kv_bytes(L), "max_concurrency": conc,
+               "peak_rss_bytes": peak_rss(),
+               "range": {"ttft_s": [ttft.lo, ttft.hi], "decode_tok_s": [dec.lo, dec.hi], "agg_tok_s": [ag.lo, ag.hi]}}
+        print(f"{system.name:<22} {L:>5}: TTFT {ttft.fmt()} s, decode {dec.fmt('.1f')} tok/s, "
+              f"KV {rec['kv_bytes_per_seq'] / 2**20:.1f} MiB, fit {conc}, agg {ag.fmt('.1f')} tok/s", flush=True)
+        recs.append(rec)
+    return recs
+
+
+def ratio_table(records: list[dict], skipped: dict[str, str], ref: str) -> str:
+    systems = list(dict.fromkeys(r["system"] for r in records))
+    contexts = sorted({r["context"] for r in records})
+    by = {(r["system"], r["context"]): r for r in records}
+    lines = ["| context | system | TTFT s | decode tok/s | KV MiB/seq | seqs in budget | aggregate tok/s | peak RSS MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for L in contexts:
+        for s in systems:
+            r = by.get((s, L))
+            if r is None:
+                continue
+            rg = r["range"]
+            lines.append(f"| {L} | {s} | {r['ttft_s']:.2f} [{rg['ttft_s'][0]:.2f}-{rg['ttft_s'][1]:.2f}] | "
+                         f"{r['decode_tok_s']:.1f} [{rg['decode_tok_s'][0]:.1f}-{rg['decode_tok_s'][1]:.1f}] | "
+                         f"{r['kv_bytes_per_seq'] / 2**20:.1f} | {r['max_concurrency']} | "
+                         f"{r['agg_tok_s']:.1f} [{rg['agg_tok_s'][0]:.1f}-{rg['agg_tok_s'][1]:.1f}] | "
+                         f"{r['peak_rss_bytes'] / 2**20:.0f} |")
+    lines += ["", f"Ratios of {ref} against each peer (TTFT: peer/ours, higher is better for us; others ours/peer):", "",
+              "| context | peer | TTFT speed-up | decode | KV smaller | concurrency | aggregate |",
+              "|---|---|---|---|---|---|---|"]
+    for L in contexts:
+        me = by.get((ref, L))
+        for s in systems:
+            peer = by.get((s, L))
+            if s == ref or me is None or peer is None:
+                continue
+            rt = ratios(me, peer)
+            lines.append(f"| {L} | {s} | {rt['ttft']:.2f}x | {rt['decode']:.2f}x | {rt['kv']:.2f}x | "
+                         f"{rt['concurrency']:.2f}x | {rt['aggregate']:.2f}x |")
+    for s, why in skipped.items():
+        lines.append(f"\n{s}: skipped ({why})")
+    return "\n".join(lines)
+
+
+def ratios(me: dict, peer: dict) -> dict[str, float]:
+    def div(a, b):
+        return a / b if b else float("inf")
+
+    return {"ttft": div(peer["ttft_s"], me["ttft_s"]), "decode": div(me["decode_tok_s"], peer["decode_tok_s"]),
+            "kv": div(peer["kv_bytes_per_seq"], me["kv_bytes_per_seq"]),
+            "concurrency": div(me["max_concurrency"], peer["max_concurrency"]),
+            "aggregate": div(me["agg_tok_s"], peer["agg_tok_s"])}
+
+
+def plot(records: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for s in dict.fromkeys(r["system"] for r in records):
+        rs = sorted((r for r in records if r["system"] == s), key=lambda r: r["context"])
+        xs = [r["context"] for r in rs]
+        axes[0].plot(xs, [r["ttft_s"] for r in rs], marker="o", label=s)
+        axes[1].plot(xs, [r["agg_tok_s"] for r in rs], marker="o", label=s)
+    axes[0].set(title="time to first token", xlabel="context (tokens)", ylabel="seconds")
+    axes[1].set(title="aggregate decode within the KV budget", xlabel="context (tokens)", ylabel="tokens/s")
+    for ax in axes:
+        ax.set_xscale("log", base=2)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--layout", default=None, help="head layout for `headwise` (default: the shipped one)")
+    ap.add_argument("--contexts", default="1024,2048,4096,8192")
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--budget-gib", type=float, default=2.0)
+    ap.add_argument("--new-tokens", type=int, default=16)
+    ap.add_argument("--agg-steps", type=int, default=8)
+    ap.add_argument("--systems", default="headwise,headwise-full,transformers,llama.cpp")
+    ap.add_argument("--out-dir", default="bench")
+    a = ap.parse_args(argv)
+    contexts = [int(x) for x in a.contexts.split(",")]
+    budget = int(a.budget_gib * 2**30)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    records, skipped = [], {}
+    for name in a.systems.split(","):
+        try:
+            system = peers.make(name, a.model, max(contexts), a.layout)
+        except peers.Skip as e:
+            print(f"{name}: skipped ({e})", flush=True)
+            skipped[name] = str(e)
+            continue
+        records += measure(system, contexts, a.runs, budget, a.new_tokens, a.agg_steps)
+        system.close()
+    table = (f"Machine: {machine()}; KV budget {a.budget_gib:g} GiB; median [min-max] of {a.runs} runs\n\n"
+             + ratio_table(records, skipped, "headwise"))
+    print("\n" + table)
+    (out / "results.json").write_text(json.dumps(
+        {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "skipped": skipped,
+         "records": [{k: r[k] for k in FIELDS} | {"range": r["range"]} for r in records]}, indent=1))
+    (out / "results.md").write_text(table + "\n")
+    if records:
+        plot(records, out / "results.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

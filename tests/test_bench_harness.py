@@ -1,0 +1,38 @@
+"""The peer benchmark harness on a tiny model, one short run (no timing thresholds)."""
+import json
+
+from benchmarks import bench_peers
+
+
+def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
+    out = tmp_path / "bench"
+    rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "64,128",
+                           "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
+                           "--systems", "headwise,headwise-full,transformers,llama.cpp", "--out-dir", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    recs = res["records"]
+    assert {r["system"] for r in recs} == {"headwise", "headwise-full", "transformers"}
+    for r in recs:
+        for f in bench_peers.FIELDS:
+            assert f in r, f
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["max_concurrency"] >= 1
+        assert r["agg_tok_s"] > 0 and r["peak_rss_bytes"] > 0
+    assert "llama.cpp" in res["skipped"]  # an HF directory has no GGUF for llama.cpp
+    md = (out / "results.md").read_text()
+    assert "llama.cpp: skipped" in md
+    assert (out / "results.png").stat().st_size > 0
+    # the window layout stores far less KV than full at 128 tokens, and ratios say so
+    by = {(r["system"], r["context"]): r for r in recs}
+    me, full = by[("headwise", 128)], by[("headwise-full", 128)]
+    rt = bench_peers.ratios(me, full)
+    assert rt["kv"] == full["kv_bytes_per_seq"] / me["kv_bytes_per_seq"]
+    assert rt["concurrency"] == me["max_concurrency"] / full["max_concurrency"]
+    assert rt["ttft"] == full["ttft_s"] / me["ttft_s"]
+    assert f"| 128 | headwise-full | {rt['ttft']:.2f}x" in md
+
+
+def test_ratio_of_zero_is_infinite_not_a_crash():
+    a = {"ttft_s": 1.0, "decode_tok_s": 2.0, "kv_bytes_per_seq": 10, "max_concurrency": 2, "agg_tok_s": 4.0}
+    b = dict(a, agg_tok_s=0.0)
+    assert bench_peers.ratios(a, b)["aggregate"] == float("inf")
