@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test bench clean
+.PHONY: install demo test bench bench-engine bench-split clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -22,8 +22,18 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest tests
 
+# Peers side by side. llama-cpp-python builds from source (several minutes, once; cached
+# in .venv); if the build fails its column is skipped with a message.
 bench: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python \
+		|| echo "llama-cpp-python did not build; the llama.cpp column will be skipped"
+	$(PY) benchmarks/bench_peers.py
+
+bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py
+
+bench-split: $(STAMP)
+	$(PY) benchmarks/bench_head_split.py
 
 clean:
 	rm -rf .venv bench

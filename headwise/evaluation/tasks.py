@@ -86,6 +86,14 @@ def _build(tokenizer, num_tokens: int, kind: str, head: str, needles: list[tuple
             total += hs.counts[i % n]
             cum.append(total)
             i += 1
+        # Fill the remainder with the first words of the next piece (prose sentences are
+        # long; whole pieces alone would miss the target by up to a sentence).
+        words = hs.pieces[i % n].split()
+        k = int((budget - total) / max(1.0, hs.counts[i % n] / max(1, len(words))))
+        if k > 0:
+            kept.append(" ".join(words[:k]) + " ")
+            total = budget
+            cum.append(total)
         # Needles go at the piece boundary nearest their depth in tokens, deepest first
         # so earlier insertions do not shift later ones.
         for depth, needle in sorted(needles, key=lambda x: -x[0]):
