@@ -153,3 +153,31 @@ def test_engine_rejects_layout_for_other_model(tiny_models, tmp_path):
     HeadLayout.window((30, 3, 64), model="SmolLM2-135M-Instruct").save(f)
     with pytest.raises(LayoutError, match="SmolLM2"):
         LLM(str(tiny_models["llama"]), head_layout=str(f))
+
+
+@pytest.mark.parametrize("max_num_seqs", [4, 16])  # ring attended in place (2B >= S) / gathered
+def test_batched_mixed_layout_equals_one_by_one(tiny_models, max_num_seqs):
+    path = str(tiny_models["llama"])
+    shape = LLM(path, head_layout="full", kv_cache_memory=1 << 24).layout.shape
+    llm = LLM(path, head_layout=mixed_layout(shape), kv_cache_memory=1 << 24, max_num_seqs=max_num_seqs,
+              block_size=4)
+    prompts = ["Rivers and bridges " * k + str(k) for k in (1, 3, 5, 7)]
+    p = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0)
+    batched = llm.generate(prompts, p, use_tqdm=False)
+    # interleaved block appends leave each sequence's table in several runs
+    for prompt, b in zip(prompts, batched):
+        one = llm.generate(prompt, p, use_tqdm=False)[0]
+        assert one.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(one.logprobs, b.logprobs)) < 1e-4
+
+
+def test_slot_runs_follow_block_table():
+    from headwise.cache.full_pool import FullHeadPool
+
+    pool = FullHeadPool(8, 4, 1, 2, torch.float32)
+    pool.allocate(1, 8)   # blocks 0, 1
+    pool.allocate(2, 4)   # block 2
+    pool.append(1, 13)    # blocks 3, 4 -> run [0, 1] then [3, 4]
+    assert pool.tables[1] == [0, 1, 3, 4]
+    assert pool.slot_runs(1, 13) == [(0, 8), (12, 5)]
+    assert pool.slot_runs(1, 6) == [(0, 6)]

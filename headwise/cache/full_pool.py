@@ -19,6 +19,9 @@ class FullHeadPool:
         self.num_heads = num_heads
         self.blocks = BlockPool(num_blocks if num_heads else 0)
         self.tables: dict[int, list[int]] = {}
+        # Per sequence, its blocks as maximal runs of consecutive ids: [first_block, count].
+        # Decode attends over each run as a slice of the pool, with no gather.
+        self._runs: dict[int, list[list[int]]] = {}
         esize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = 2 * num_heads * block_size * head_dim * esize
         slots = self.blocks.num_blocks * block_size
@@ -34,7 +37,9 @@ class FullHeadPool:
     def allocate(self, seq_id: int, num_tokens: int) -> None:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        self.tables[seq_id] = self.blocks.take(self._blocks_for(num_tokens))
+        self.tables[seq_id] = []
+        self._runs[seq_id] = []
+        self._extend(seq_id, self.blocks.take(self._blocks_for(num_tokens)))
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         need = self._blocks_for(num_tokens) - len(self.tables[seq_id])
@@ -44,10 +49,31 @@ class FullHeadPool:
         table = self.tables[seq_id]
         need = self._blocks_for(num_tokens) - len(table)
         if need > 0:
-            table.extend(self.blocks.take(need))
+            self._extend(seq_id, self.blocks.take(need))
+
+    def _extend(self, seq_id: int, ids: list[int]) -> None:
+        self.tables[seq_id].extend(ids)
+        runs = self._runs[seq_id]
+        for b in ids:
+            if runs and runs[-1][0] + runs[-1][1] == b:
+                runs[-1][1] += 1
+            else:
+                runs.append([b, 1])
 
     def free(self, seq_id: int) -> None:
+        self._runs.pop(seq_id, None)
         self.blocks.give_back(self.tables.pop(seq_id, []))
+
+    def slot_runs(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Positions [0, num_tokens) as (first flat slot, length) runs of contiguous slots."""
+        out, left, bs = [], num_tokens, self.block_size
+        for first, count in self._runs[seq_id]:
+            n = min(left, count * bs)
+            out.append((first * bs, n))
+            left -= n
+            if left <= 0:
+                break
+        return out
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions [start, end) of a sequence."""

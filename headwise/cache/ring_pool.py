@@ -1,9 +1,10 @@
 """Fixed-size rings for window heads: one slot per running sequence.
 
 A slot holds, for every window head of every layer, sink + window token positions, so
-its size does not depend on the prompt length. Storage is [2, num_slots, E] with E the
-per-sequence element count; each (layer, window group) gets a
-[num_slots, n_heads, sink + window, D] view of its own columns.
+its size does not depend on the prompt length. Storage is one flat buffer laid out group
+by group: each (layer, window group) owns a contiguous [2, num_slots, n_heads,
+sink + window, D] block, so decode can run one batched matmul over all slots of a group
+without gathering them.
 """
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ class RingPool:
         self.slot_of: dict[int, int] = {}
         esize = torch.empty((), dtype=dtype).element_size()
         self.seq_bytes = 2 * elems_per_seq * esize
-        self.storage = torch.zeros(2, self.num_slots, elems_per_seq, dtype=dtype)
+        self.storage = torch.zeros(2 * self.num_slots * elems_per_seq, dtype=dtype)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return not self.elems_per_seq or bool(self._free)
@@ -49,8 +50,11 @@ class RingPool:
         return self.slot_of.get(seq_id, 0)
 
     def view(self, kv: int, offset: int, n_heads: int, ring: int, head_dim: int) -> torch.Tensor:
-        cols = self.storage[kv][:, offset: offset + n_heads * ring * head_dim]
-        return cols.view(self.num_slots, n_heads, ring, head_dim)
+        """Contiguous [num_slots, n_heads, ring, D] K (kv=0) or V (kv=1) of the group whose
+        per-sequence element offset is `offset`."""
+        size = self.num_slots * n_heads * ring * head_dim
+        start = 2 * self.num_slots * offset + kv * size
+        return self.storage[start: start + size].view(self.num_slots, n_heads, ring, head_dim)
 
     def bytes_for(self, num_tokens: int) -> int:
         return self.seq_bytes

@@ -27,7 +27,6 @@ class ModelRunner:
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
         ordered = decodes + prefills
         full, ring = self.cache.full, self.cache.ring
-        bs = self.cache.block_size
         ids, pos, slots, prefill_ctx = [], [], [], []
         sampling_rows, sampling_seqs = [], []
         offset = 0
@@ -57,14 +56,7 @@ class ModelRunner:
             ctx.decode_lens = lens
             ctx.decode_ring_slots = torch.tensor([ring.slot(s.seq_id) for s, _ in decodes])
             if full.num_heads:
-                max_blocks = -(-int(lens.max()) // bs)
-                tables = torch.zeros(len(decodes), max_blocks, dtype=torch.int64)
-                for j, (s, _) in enumerate(decodes):
-                    t = full.tables[s.seq_id][:max_blocks]
-                    tables[j, : len(t)] = torch.tensor(t)
-                ctx.decode_slots = (tables[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)
-                L = ctx.decode_slots.shape[1]
-                ctx.decode_mask = (torch.arange(L)[None, :] < lens[:, None])[:, None, None, :]
+                ctx.decode_runs = [full.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
         set_context(ctx)
         try:
             rows = torch.arange(len(ids)) if all_logits else torch.tensor(sampling_rows, dtype=torch.int64)

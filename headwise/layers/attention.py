@@ -78,11 +78,7 @@ class HeadSplitAttention(nn.Module):
         vc[:, ctx.full_slots] = v.transpose(0, 1)
         B = ctx.num_decode
         if B:
-            slots = ctx.decode_slots  # [B, L]
-            shape = (kc.shape[0], *slots.shape, kc.shape[2])
-            kk = kc.index_select(1, slots.view(-1)).view(shape)  # [nf, B, L, D]
-            vv = vc.index_select(1, slots.view(-1)).view(shape)
-            out[:B] = _grouped_decode(q[:B], kk, vv, ctx.decode_mask, self.scale)
+            out[:B] = _paged_decode(q[:B], kc, vc, ctx.decode_runs, self.scale)
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
             qq = q[s].transpose(0, 1).unsqueeze(0)  # [1, Hq, c, D]
@@ -110,11 +106,7 @@ class HeadSplitAttention(nn.Module):
             # The new token overwrites position p - window, which it no longer sees.
             wg.k_ring[slots, :, ridx] = k[:B]
             wg.v_ring[slots, :, ridx] = v[:B]
-            R = wg.sink + wg.window
-            kk = wg.k_ring.index_select(0, slots).transpose(0, 1)  # [n, B, R, D]
-            vv = wg.v_ring.index_select(0, slots).transpose(0, 1)
-            valid = torch.arange(R)[None, :] < torch.clamp(ctx.decode_lens, max=R)[:, None]
-            out[:B] = _grouped_decode(q[:B], kk, vv, valid[:, None, None, :], self.scale)
+            out[:B] = _ring_decode(q[:B], wg, slots, ctx.decode_lens, self.scale)
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
             out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s])
@@ -175,14 +167,44 @@ def _ring_positions(sink: int, window: int, start: int) -> torch.Tensor:
     return pos
 
 
-def _grouped_decode(q, k, v, mask, scale) -> torch.Tensor:
-    # q: [B, n*g, D]; k, v: [n, B, L, D]; mask: [B, 1, 1, L] (True = attend).
-    # One query per sequence: the g query heads of a KV head form the query axis of a
-    # plain batched matmul, so K/V are read once and never repeated per query head.
+def _paged_decode(q, kc, vc, runs, scale) -> torch.Tensor:
+    # q: [B, nf*g, D]; kc, vc: [nf, slots, D]. Each sequence attends over its runs of
+    # contiguous slots as views of the pool (no gather); its g query heads per KV head
+    # form the query axis of one matmul.
     B, H, D = q.shape
-    n = k.shape[0]
-    qh = q.view(B, n, H // n, D).transpose(0, 1)  # [n, B, g, D]
-    s = torch.matmul(qh, k.transpose(-1, -2)).float() * scale  # [n, B, g, L]
-    s = s.masked_fill(~mask.view(1, B, 1, -1), float("-inf"))
-    p = torch.softmax(s, dim=-1).to(v.dtype)
-    return torch.matmul(p, v).transpose(0, 1).reshape(B, H, D)
+    nf = kc.shape[0]
+    out = torch.empty_like(q)
+    for i in range(B):
+        qi = q[i].view(nf, H // nf, D)  # [nf, g, D]
+        r = runs[i]
+        s = torch.cat([torch.matmul(qi, kc[:, a:a + n].transpose(1, 2)) for a, n in r], -1) if len(r) > 1 \
+            else torch.matmul(qi, kc[:, r[0][0]:r[0][0] + r[0][1]].transpose(1, 2))  # [nf, g, L]
+        p = torch.softmax(s.float() * scale, dim=-1).to(vc.dtype)
+        o, off = None, 0
+        for a, n in r:
+            part = torch.matmul(p[..., off:off + n], vc[:, a:a + n])  # [nf, g, D]
+            o = part if o is None else o + part
+            off += n
+        out[i] = o.view(H, D)
+    return out
+
+
+def _ring_decode(q, wg: WindowGroup, slots, lens, scale) -> torch.Tensor:
+    # q: [B, n*g, D]. When most ring slots are busy, attend over every slot of the group
+    # in one batched matmul on the ring itself (no copy); otherwise gather the B rings.
+    B, H, D = q.shape
+    S, n, R, _ = wg.k_ring.shape
+    if 2 * B >= S:
+        qa = q.new_zeros(S, H, D)
+        qa[slots] = q
+        la = torch.ones(S, dtype=torch.int64)  # idle slots: one finite (ignored) key
+        la[slots] = lens
+        kk, vv, rows = wg.k_ring, wg.v_ring, slots
+    else:
+        qa, la = q, lens
+        kk, vv, rows = wg.k_ring.index_select(0, slots), wg.v_ring.index_select(0, slots), None
+    valid = torch.arange(R)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
+    s = torch.matmul(qa.view(-1, n, H // n, D), kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv).reshape(-1, H, D)
+    return o if rows is None else o[rows]

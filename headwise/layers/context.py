@@ -25,8 +25,7 @@ class StepContext:
     positions: torch.Tensor                 # [T] int64
     full_slots: torch.Tensor                # [T] int64 flat slot (block * block_size + offset)
     num_decode: int = 0
-    decode_slots: torch.Tensor | None = None         # [B, L] int64 full-pool slots, padded
-    decode_mask: torch.Tensor | None = None          # [B, 1, 1, L] bool, True = attend
+    decode_runs: list[list[tuple[int, int]]] | None = None  # per sequence: (first slot, length)
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
