@@ -70,3 +70,12 @@ def default_llm():
     from headwise import LLM
 
     return LLM(head_layout="full", kv_cache_memory=1 << 30)
+
+
+def assert_batched_equals_single(llm, prompts, params) -> None:
+    """Generating prompts together gives each one what generating it alone gives."""
+    batched = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, b in zip(prompts, batched):
+        single = llm.generate(prompt, params, use_tqdm=False)[0]
+        assert single.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(single.logprobs, b.logprobs)) < 1e-4

@@ -8,6 +8,7 @@ from headwise.engine.llm_engine import PromptTooLongError
 from headwise.engine.scheduler import RequestTooLargeError
 from headwise.models.config import UnsupportedModelError
 from headwise.sampling import InvalidParameterError
+from tests.conftest import assert_batched_equals_single
 
 PROMPTS = ["Once upon a time", "The river runs through the old town and", "Q: 2 + 2?\nA:",
            "Bridges " * 40]
@@ -33,12 +34,7 @@ def test_chunked_prefill_equals_one_pass(llm):
 
 
 def test_batched_equals_one_by_one(llm):
-    p = SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0)
-    batched = llm.generate(PROMPTS, p, use_tqdm=False)
-    for prompt, b in zip(PROMPTS, batched):
-        single = llm.generate(prompt, p, use_tqdm=False)[0]
-        assert single.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(single.logprobs, b.logprobs)) < 1e-4
+    assert_batched_equals_single(llm, PROMPTS, SamplingParams(max_tokens=20, ignore_eos=True, logprobs=0))
     _assert_idle(llm)
 
 

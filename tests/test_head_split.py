@@ -8,7 +8,7 @@ import torch.nn.functional as F
 
 from headwise import LLM, HeadLayout, SamplingParams
 from headwise.cache.layout import HeadSpec, LayoutError
-from headwise.engine.sequence import Sequence
+from tests.conftest import assert_batched_equals_single
 
 SINK, WINDOW = 4, 8
 
@@ -162,13 +162,8 @@ def test_batched_mixed_layout_equals_one_by_one(tiny_models, max_num_seqs):
     llm = LLM(path, head_layout=mixed_layout(shape), kv_cache_memory=1 << 24, max_num_seqs=max_num_seqs,
               block_size=4)
     prompts = ["Rivers and bridges " * k + str(k) for k in (1, 3, 5, 7)]
-    p = SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0)
-    batched = llm.generate(prompts, p, use_tqdm=False)
     # interleaved block appends leave each sequence's table in several runs
-    for prompt, b in zip(prompts, batched):
-        one = llm.generate(prompt, p, use_tqdm=False)[0]
-        assert one.token_ids == b.token_ids
-        assert max(abs(x - y) for x, y in zip(one.logprobs, b.logprobs)) < 1e-4
+    assert_batched_equals_single(llm, prompts, SamplingParams(max_tokens=30, ignore_eos=True, logprobs=0))
 
 
 def test_slot_runs_follow_block_table():

@@ -198,6 +198,26 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             if not finished:  # the client went away mid-stream
                 aeng.abort(handle)
 
+    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool):
+        rid, handle = await _submit(ids, req, chat=chat)
+        want_lp = req.params.logprobs is not None
+        if req.stream:
+            return StreamingResponse(_stream(handle, rid, chat, req.include_usage, want_lp),
+                                     media_type="text/event-stream")
+        upds = await _collect(request, handle)
+        if not upds:
+            return Response(status_code=499)  # the client is gone
+        last = _final(upds)
+        text = "".join(u.text for u in upds)
+        if chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": _chat_logprobs(upds) if want_lp else None}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(upds) if want_lp else None}
+        choice["finish_reason"] = last.finish_reason
+        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": name, "choices": [choice], "usage": _usage(last)}
+
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = P.parse_json_object(await request.body())
@@ -207,19 +227,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         ids = await asyncio.to_thread(tok.encode, prompt) if isinstance(prompt, str) else prompt
         if not ids:
             raise P.bad("the prompt is empty", "prompt")
-        rid, handle = await _submit(ids, req, chat=False)
-        want_lp = req.params.logprobs is not None
-        if req.stream:
-            return StreamingResponse(_stream(handle, rid, False, req.include_usage, want_lp),
-                                     media_type="text/event-stream")
-        upds = await _collect(request, handle)
-        if not upds:
-            return Response(status_code=499)
-        last = _final(upds)
-        choice = {"index": 0, "text": "".join(u.text for u in upds), "finish_reason": last.finish_reason,
-                  "logprobs": _completion_logprobs(upds) if want_lp else None}
-        return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": name,
-                "choices": [choice], "usage": _usage(last)}
+        return await _respond(request, ids, req, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -231,19 +239,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             ids = await asyncio.to_thread(tok.encode_chat, msgs)
         except ValueError as e:
             raise P.bad(str(e), "messages") from None
-        rid, handle = await _submit(ids, req, chat=True)
-        want_lp = req.params.logprobs is not None
-        if req.stream:
-            return StreamingResponse(_stream(handle, rid, True, req.include_usage, want_lp),
-                                     media_type="text/event-stream")
-        upds = await _collect(request, handle)
-        if not upds:
-            return Response(status_code=499)
-        last = _final(upds)
-        choice = {"index": 0, "message": {"role": "assistant", "content": "".join(u.text for u in upds)},
-                  "logprobs": _chat_logprobs(upds) if want_lp else None, "finish_reason": last.finish_reason}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": name,
-                "choices": [choice], "usage": _usage(last)}
+        return await _respond(request, ids, req, chat=True)
 
     return app
 
