@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import resource
 import sys
 import time
@@ -52,6 +53,16 @@ def measure(system, contexts, runs, budget, new_tokens, agg_steps) -> list[dict]
               f"KV {rec['kv_bytes_per_seq'] / 2**20:.1f} MiB, fit {conc}, agg {ag.fmt('.1f')} tok/s", flush=True)
         recs.append(rec)
     return recs
+
+
+def _run_system(name, model, layout, contexts, runs, budget, new_tokens, agg_steps):
+    try:
+        system = peers.make(name, model, max(contexts), layout)
+    except peers.Skip as e:
+        return [], str(e)
+    recs = measure(system, contexts, runs, budget, new_tokens, agg_steps)
+    system.close()
+    return recs, None
 
 
 def ratio_table(records: list[dict], skipped: dict[str, str], ref: str) -> str:
@@ -138,15 +149,16 @@ def main(argv=None) -> int:
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     records, skipped = [], {}
+    ctx = multiprocessing.get_context("spawn")
     for name in a.systems.split(","):
-        try:
-            system = peers.make(name, a.model, max(contexts), a.layout)
-        except peers.Skip as e:
-            print(f"{name}: skipped ({e})", flush=True)
-            skipped[name] = str(e)
-            continue
-        records += measure(system, contexts, a.runs, budget, a.new_tokens, a.agg_steps)
-        system.close()
+        # Each system runs in a fresh process, so its peak RSS is its own.
+        with ctx.Pool(1) as pool:
+            recs, why = pool.apply(_run_system, (name, a.model, a.layout, contexts, a.runs, budget,
+                                                 a.new_tokens, a.agg_steps))
+        if why is not None:
+            print(f"{name}: skipped ({why})", flush=True)
+            skipped[name] = why
+        records += recs
     table = (f"Machine: {machine()}; KV budget {a.budget_gib:g} GiB; median [min-max] of {a.runs} runs\n\n"
              + ratio_table(records, skipped, "headwise"))
     print("\n" + table)

@@ -17,7 +17,7 @@ from headwise.layers.context import PrefillChunk, StepContext, get_context
 
 # Query block size for blockwise window-head prefill: each block of this many queries
 # reads sink + window + block - 1 keys, so the work is O(n * (sink + window)).
-WINDOW_QUERY_BLOCK = 128
+WINDOW_QUERY_BLOCK = 64
 
 
 @dataclass
@@ -133,19 +133,18 @@ class HeadSplitAttention(nn.Module):
         span = (qa - W + 1)[:, None] + torch.arange(W + Bq - 1)  # [nb, S]
         span_ok = (span >= 0) & (span < c) & (span + start >= sink)
         span_c = span.clamp(0, c - 1)
-        kpos = torch.cat([
-            ring_pos.expand(nb, -1),
-            torch.arange(start, start + n_sc).expand(nb, -1),
-            torch.where(span_ok, span_c + start, -1),
-        ], dim=1)  # [nb, nk]
-        rk, rv = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
         kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [n, c, D]
-        kk = torch.cat([rk.unsqueeze(0).expand(nb, -1, -1, -1),
-                        kt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1),
-                        kt[:, span_c].transpose(0, 1)], dim=2)  # [nb, n, nk, D]
-        vv = torch.cat([rv.unsqueeze(0).expand(nb, -1, -1, -1),
-                        vt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1),
-                        vt[:, span_c].transpose(0, 1)], dim=2)
+        pos_parts = [torch.arange(start, start + n_sc).expand(nb, -1), torch.where(span_ok, span_c + start, -1)]
+        k_parts = [kt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), kt[:, span_c].transpose(0, 1)]
+        v_parts = [vt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), vt[:, span_c].transpose(0, 1)]
+        if start > 0:  # earlier context lives in the ring; a first chunk has none
+            rk, rv = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
+            pos_parts.insert(0, ring_pos.expand(nb, -1))
+            k_parts.insert(0, rk.unsqueeze(0).expand(nb, -1, -1, -1))
+            v_parts.insert(0, rv.unsqueeze(0).expand(nb, -1, -1, -1))
+        kpos = torch.cat(pos_parts, dim=1)  # [nb, nk]
+        kk = torch.cat(k_parts, dim=2)  # [nb, n, nk, D]
+        vv = torch.cat(v_parts, dim=2)
         qpos = (qi + start)[:, :, None]  # [nb, Bq, 1]
         kp = kpos[:, None, :]
         mask = (kp >= 0) & (kp <= qpos) & ((kp < sink) | (kp > qpos - W))
