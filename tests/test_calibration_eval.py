@@ -91,3 +91,23 @@ def test_equal_bytes_window_baseline_matches_kv_bytes():
         a = KVCacheManager(split, 16, 1 << 30, 2, torch.float32).kv_bytes(L)
         b = KVCacheManager(w, 16, 1 << 30, 2, torch.float32).kv_bytes(L)
         assert abs(a - b) / a < 0.01
+
+
+def test_eval_cli_runs_every_task_and_writes_outputs(tiny_models, tmp_path):
+    from headwise.cli import main
+
+    lay = tmp_path / "half.json"
+    HeadLayout.from_full_set("half", (2, 2, 16), {(0, 0), (1, 1)}, sink=4, window=16).save(lay)
+    out = tmp_path / "eval.json"
+    rc = main(["eval", "--model", str(tiny_models["llama"]), "--head-layout", str(lay), "--baselines",
+               "--tasks", "passkey,niah,ruler,ppl,agreement", "--lengths", "160", "--json", str(out),
+               "--plot-dir", str(tmp_path / "plots")])
+    assert rc == 0
+    recs = json.loads(out.read_text())
+    assert {r["layout"] for r in recs} == {"full", "half", "random-50%", "window-same-KV"}
+    assert {r["task"] for r in recs} == {"passkey", "niah", "multikey", "vartrack", "cwe", "ppl", "agreement"}
+    for r in recs:
+        assert set(r) >= {"layout", "task", "length", "score", "n"}
+    assert all(r["score"] == 1.0 for r in recs if r["layout"] == "full" and r["task"] == "agreement")
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
+        f"needle_{n}.png" for n in ("full", "half", "random-50%", "window-same-KV"))
