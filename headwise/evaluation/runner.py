@@ -121,13 +121,13 @@ def heatmaps(records: list[Record], out_dir: str | Path) -> list[Path]:
                 v = [r.score for r in rs if r.depth == d and r.length == L]
                 if v:
                     grid[di, li] = sum(v) / len(v)
-        fig, ax = plt.subplots(figsize=(1.2 + 1.1 * len(lengths), 3.6))
+        fig, ax = plt.subplots(figsize=(max(5.0, 1.2 + 1.1 * len(lengths)), 3.6))
         im = ax.imshow(grid.numpy(), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
         ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
         ax.set_yticks(range(len(DEPTHS)), [f"{int(d * 100)}%" for d in DEPTHS])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel("needle depth")
-        ax.set_title(f"{name}: passkey + needle accuracy")
+        ax.set_title(f"{name}: passkey + needle accuracy", fontsize=9)
         for di in range(len(DEPTHS)):
             for li in range(len(lengths)):
                 if not math.isnan(grid[di, li]):
