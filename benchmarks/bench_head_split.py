@@ -62,7 +62,8 @@ def main() -> None:
             big = LLM(head_layout=layout, kv_cache_memory=budget, max_num_seqs=max(1, conc),
                       max_num_batched_tokens=8192)
             assert big.engine.cache.max_concurrency(L + a.agg_steps + 2) >= conc
-            agg = [headwise_aggregate(big, L, conc, a.agg_steps) for _ in range(a.runs)]
+            ctx_len = min(L, llm.engine.max_model_len - a.agg_steps - 2)  # room to decode
+            agg = [headwise_aggregate(big, ctx_len, conc, a.agg_steps) for _ in range(a.runs)]
             del big
             r = {"layout": label, "context": L, "kv_bytes_per_seq": llm.kv_bytes(L),
                  "ttft_s": Stat.of([x[0] for x in runs]), "decode_tok_s": Stat.of([x[1] for x in runs]),
