@@ -122,10 +122,6 @@ class KVCacheManager:
         by_full = self.full.total_bytes // per if per else 1 << 62
         return min(by_ring, by_full)
 
-    @property
-    def num_seqs(self) -> int:
-        return max(len(self.full.tables), len(self.ring.slot_of))
-
     def usage(self) -> dict[str, dict[str, float]]:
         out = {}
         for name, p in (("full", self.full), ("ring", self.ring)):

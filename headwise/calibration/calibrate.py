@@ -142,6 +142,5 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         bar.close()
     layout = HeadLayout.from_full_set(name, shape, full, sink, window, model=cfg.name,
                                       scores=[[round(float(x), 6) for x in row] for row in scores])
-    layout.needle_mass = first.needle_mass  # kept for plots and the baseline comparison
     layout.calibration_seconds = time.perf_counter() - t0
     return layout

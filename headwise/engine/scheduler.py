@@ -26,10 +26,6 @@ class SchedulerOutput:
     scheduled: list[tuple[Sequence, int]] = field(default_factory=list)  # (seq, num new tokens)
     preempted: list[Sequence] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(n for _, n in self.scheduled)
-
 
 class Scheduler:
     def __init__(self, cache, max_num_seqs: int, max_num_batched_tokens: int,

@@ -29,7 +29,6 @@ class StepContext:
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
     prefills: list[PrefillChunk] = field(default_factory=list)
-    logits_indices: torch.Tensor | None = None       # [S] rows whose next token is sampled
 
 
 _CONTEXT: StepContext | None = None
