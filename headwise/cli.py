@@ -16,12 +16,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: Triton kernels on CUDA, PyTorch on CPU")
 
 
 def engine_options(args: argparse.Namespace) -> dict:
     return dict(head_layout=args.head_layout, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
                 max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens)
+                max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
+                attention_backend=args.attention_backend)
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKENDS = ("auto", "torch", "triton")
 
 
 class ConfigError(ValueError):
@@ -25,6 +26,8 @@ class EngineConfig:
     max_model_len: int | None = None
     max_queue: int | None = None
     num_threads: int | None = None
+    device: str = "cpu"                       # "cpu" or "cuda[:N]"
+    attention_backend: str = "auto"           # "auto" | "torch" | "triton"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -37,6 +40,37 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be a positive integer or None, got {v!r}")
+
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError) as e:
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}") from e
+        if dev.type not in ("cpu", "cuda"):
+            raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
+        if self.attention_backend not in BACKENDS:
+            raise ConfigError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.attention_backend == "triton":
+            from headwise.kernels import triton_usable
+
+            if not triton_usable(dev):
+                raise ConfigError(
+                    "attention_backend='triton' needs the triton package and a CUDA device "
+                    "(or TRITON_INTERPRET=1 to run the kernels in Triton's interpreter on CPU)")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    @property
+    def backend(self) -> str:
+        """The attention backend in use: Triton kernels on CUDA when "auto"."""
+        if self.attention_backend != "auto":
+            return self.attention_backend
+        from headwise.kernels import triton_installed
+
+        return "triton" if self.torch_device.type == "cuda" and triton_installed() else "torch"
 
     @property
     def torch_dtype(self) -> torch.dtype:

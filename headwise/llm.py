@@ -45,6 +45,16 @@ class LLM:
         self.engine = LLMEngine(EngineConfig.from_options(model, engine_options))
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_model(cls, model, tokenizer, **engine_options) -> "LLM":
+        """An LLM over an already built CausalLM (on the engine's device and dtype) and a
+        tokenizer; the engine reorders the model's heads for its layout, so pass a model
+        to one LLM only."""
+        llm = cls.__new__(cls)
+        llm.engine = LLMEngine(EngineConfig.from_options(None, engine_options), loaded=(model, tokenizer))
+        llm.tokenizer = tokenizer
+        return llm
+
     def generate(self, prompts: "str | list[int] | list[str | list[int]]",
                  params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         params = params or SamplingParams()

@@ -9,6 +9,10 @@ import pytest
 import torch
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Without a GPU the Triton kernels run in Triton's interpreter on CPU tensors. Triton reads
+# this when a kernel is defined, so it is set before any test imports the kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 

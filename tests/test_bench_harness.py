@@ -1,6 +1,9 @@
 """The peer benchmark harness on a tiny model, one short run (no timing thresholds)."""
 import json
 
+import pytest
+import torch
+
 from benchmarks import bench_peers
 
 
@@ -36,3 +39,32 @@ def test_ratio_of_zero_is_infinite_not_a_crash():
     a = {"ttft_s": 1.0, "decode_tok_s": 2.0, "kv_bytes_per_seq": 10, "max_concurrency": 2, "agg_tok_s": 4.0}
     b = dict(a, agg_tok_s=0.0)
     assert bench_peers.ratios(a, b)["aggregate"] == float("inf")
+
+
+def test_gpu_benchmark_harness_on_cpu(tmp_path):
+    """benchmarks/gpu.py end to end with a tiny random model on CPU: both layouts, every
+    field, the split layout stores less KV and fits more sequences, table ratios agree."""
+    from benchmarks import gpu
+
+    out = tmp_path / "gpu"
+    rc = gpu.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--backend", "torch",
+                   "--contexts", "128,300", "--budget-gib", "0.01", "--chunk", "64", "--new-tokens", "3",
+                   "--agg-steps", "2", "--sink", "8", "--window", "16", "--no-kernels", "--out-dir", str(out)])
+    assert rc == 0
+    res = json.loads((out / "results.json").read_text())
+    by = {(r["layout"], r["context"]): r for r in res["records"]}
+    assert set(by) == {(l, c) for l in ("full", "split") for c in (128, 300)}
+    for r in by.values():
+        assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["agg_tok_s"] > 0
+    f, s = by[("full", 300)], by[("split", 300)]
+    assert s["kv_bytes_per_seq"] < f["kv_bytes_per_seq"] and s["max_concurrency"] > f["max_concurrency"]
+    md = (out / "results.md").read_text()
+    assert f"| 300 | {f['ttft_s'] / s['ttft_s']:.2f}x | {f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x |" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_gpu_benchmark_refuses_cuda_without_gpu(capsys):
+    from benchmarks import gpu
+
+    assert gpu.main(["--device", "cuda"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err

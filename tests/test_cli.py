@@ -3,6 +3,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 
 def run(*args):
@@ -24,6 +25,9 @@ def test_generate_prints_text(tiny_models):
     (["--prompt", "x", "--max-tokens", "0"], "max_tokens must be an integer >= 1"),
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     ([], "exactly one of --prompt"),
+    (["--prompt", "x", "--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    pytest.param(["--prompt", "x", "--device", "cuda"], "PyTorch sees no CUDA device",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])
 def test_generate_bad_input(args, message, tiny_models):
     if "--model" not in args:

@@ -14,7 +14,7 @@ from headwise.cache.block_pool import BlockPool
 
 class FullHeadPool:
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.block_size = block_size
         self.num_heads = num_heads
         self.blocks = BlockPool(num_blocks if num_heads else 0)
@@ -25,8 +25,8 @@ class FullHeadPool:
         esize = torch.empty((), dtype=dtype).element_size()
         self.block_bytes = 2 * num_heads * block_size * head_dim * esize
         slots = self.blocks.num_blocks * block_size
-        self.k = torch.zeros(num_heads, slots, head_dim, dtype=dtype)  # [F, slots, D]
-        self.v = torch.zeros(num_heads, slots, head_dim, dtype=dtype)
+        self.k = torch.zeros(num_heads, slots, head_dim, dtype=dtype, device=device)  # [F, slots, D]
+        self.v = torch.zeros(num_heads, slots, head_dim, dtype=dtype, device=device)
 
     def _blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.num_heads else 0
@@ -74,6 +74,9 @@ class FullHeadPool:
             if left <= 0:
                 break
         return out
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.tables[seq_id]
 
     def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
         """Flat slot ids of positions [start, end) of a sequence."""

@@ -29,7 +29,7 @@ class _Group:
 
 class KVCacheManager:
     def __init__(self, layout: HeadLayout, block_size: int, kv_cache_memory: int,
-                 max_num_seqs: int, dtype: torch.dtype) -> None:
+                 max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
         self.layout = layout
         self.block_size = block_size
         D = layout.head_dim
@@ -52,7 +52,7 @@ class KVCacheManager:
                 grp.offset = E
                 E += (grp.kv_end - grp.kv_start) * (grp.sink + grp.window) * D
             self.groups.append(groups)
-        self.ring = RingPool(max_num_seqs, E, dtype)
+        self.ring = RingPool(max_num_seqs, E, dtype, device)
         if self.ring.total_bytes > kv_cache_memory:
             raise CacheConfigError(
                 f"kv_cache_memory={kv_cache_memory} bytes cannot hold the window-head rings of "
@@ -67,11 +67,11 @@ class KVCacheManager:
                 f"kv_cache_memory={kv_cache_memory} bytes leaves no room for one full-head block "
                 f"({block_bytes} bytes) after the rings ({self.ring.total_bytes} bytes)"
             )
-        self.full = FullHeadPool(num_blocks, block_size, F, D, dtype)
+        self.full = FullHeadPool(num_blocks, block_size, F, D, dtype, device)
         self.pools = (self.full, self.ring)
 
     # ---- binding ------------------------------------------------------------------
-    def bind(self, attention_layers) -> None:
+    def bind(self, attention_layers, backend: str = "torch") -> None:
         D = self.layout.head_dim
         from headwise.layers.attention import WindowGroup
 
@@ -86,7 +86,7 @@ class KVCacheManager:
                 wgs.append(WindowGroup(g.kv_start, g.kv_end, g.sink, g.window,
                                        self.ring.view(0, g.offset, n, R, D),
                                        self.ring.view(1, g.offset, n, R, D)))
-            attn.bind(nf, kf, vf, wgs)
+            attn.bind(nf, kf, vf, wgs, self.block_size, backend)
 
     # ---- admission and growth (both pools) ----------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:

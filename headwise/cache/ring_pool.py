@@ -16,14 +16,15 @@ from headwise.cache.pool import CacheFullError
 
 
 class RingPool:
-    def __init__(self, num_slots: int, elems_per_seq: int, dtype: torch.dtype) -> None:
+    def __init__(self, num_slots: int, elems_per_seq: int, dtype: torch.dtype,
+                 device: torch.device | str = "cpu") -> None:
         self.elems_per_seq = elems_per_seq
         self.num_slots = num_slots if elems_per_seq else 0
         self._free: deque[int] = deque(range(self.num_slots))
         self.slot_of: dict[int, int] = {}
         esize = torch.empty((), dtype=dtype).element_size()
         self.seq_bytes = 2 * elems_per_seq * esize
-        self.storage = torch.zeros(2 * self.num_slots * elems_per_seq, dtype=dtype)
+        self.storage = torch.zeros(2 * self.num_slots * elems_per_seq, dtype=dtype, device=device)
 
     def can_allocate(self, num_tokens: int) -> bool:
         return not self.elems_per_seq or bool(self._free)

@@ -22,11 +22,14 @@ class PromptTooLongError(ValueError):
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, loaded: tuple | None = None) -> None:
+        """`loaded`: an already built (CausalLM, tokenizer) on the config's device and
+        dtype, used instead of loading `config.model` (benchmarks with random weights).
+        The engine reorders its heads for the layout, so it owns that model from then on."""
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model, self.tokenizer = load_model(config.model, config.torch_dtype)
+        self.model, self.tokenizer = loaded or load_model(config.model, config.torch_dtype, config.torch_device)
         mcfg = self.model.config
         self.model_config = mcfg
         self.model_name = mcfg.name
@@ -39,8 +42,8 @@ class LLMEngine:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
-                                    config.max_num_seqs, config.torch_dtype)
-        self.runner = ModelRunner(self.model, self.cache)
+                                    config.max_num_seqs, config.torch_dtype, config.torch_device)
+        self.runner = ModelRunner(self.model, self.cache, config.torch_device, config.backend)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_queue)
         self.eos_ids = set(mcfg.eos_token_ids)

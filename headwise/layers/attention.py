@@ -49,11 +49,21 @@ class HeadSplitAttention(nn.Module):
         self.window_groups: list[WindowGroup] = []
         # Optional callback (q, k, v) used by calibration to read a layer's heads.
         self.observer = None
+        self.block_size = 16
+        self._kernels = None  # headwise.kernels.triton_attention when that backend is bound
 
-    def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup]) -> None:
+    def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup],
+             block_size: int = 16, backend: str = "torch") -> None:
         self.num_full = num_full
         self.k_full, self.v_full = k_full, v_full
         self.window_groups = window_groups
+        self.block_size = block_size
+        if backend == "triton":
+            from headwise.kernels import triton_attention
+
+            self._kernels = triton_attention
+        else:
+            self._kernels = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
@@ -77,6 +87,16 @@ class HeadSplitAttention(nn.Module):
         kc[:, ctx.full_slots] = k.transpose(0, 1)
         vc[:, ctx.full_slots] = v.transpose(0, 1)
         B = ctx.num_decode
+        kern = self._kernels
+        if kern is not None:  # Triton: pages read in place through block tables
+            if B:
+                out[:B] = kern.paged_decode(q[:B], kc, vc, ctx.decode_block_tables, ctx.decode_lens,
+                                            self.block_size, self.scale)
+            for ch in ctx.prefills:
+                s = slice(ch.offset, ch.offset + ch.length)
+                out[s] = kern.paged_prefill(q[s], kc, vc, ch.block_table, ch.start,
+                                            self.block_size, self.scale)
+            return
         if B:
             out[:B] = _paged_decode(q[:B], kc, vc, ctx.decode_runs, self.scale)
         for ch in ctx.prefills:
@@ -90,8 +110,8 @@ class HeadSplitAttention(nn.Module):
             else:
                 kk = kc.index_select(1, ch.slots).unsqueeze(0)  # [1, nf, start + c, D]
                 vv = vc.index_select(1, ch.slots).unsqueeze(0)
-                qpos = torch.arange(ch.start, ch.start + ch.length)
-                mask = torch.arange(ch.start + ch.length)[None, :] <= qpos[:, None]
+                qpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
+                mask = torch.arange(ch.start + ch.length, device=q.device)[None, :] <= qpos[:, None]
                 o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask,
                                                    scale=self.scale, enable_gqa=True)
             out[s] = o[0].transpose(0, 1)
@@ -106,13 +126,23 @@ class HeadSplitAttention(nn.Module):
             # The new token overwrites position p - window, which it no longer sees.
             wg.k_ring[slots, :, ridx] = k[:B]
             wg.v_ring[slots, :, ridx] = v[:B]
-            out[:B] = _ring_decode(q[:B], wg, slots, ctx.decode_lens, self.scale)
+            if self._kernels is not None:
+                out[:B] = self._kernels.ring_decode(q[:B], wg.k_ring, wg.v_ring, slots,
+                                                    ctx.decode_lens, self.scale)
+            else:
+                out[:B] = _ring_decode(q[:B], wg, slots, ctx.decode_lens, self.scale)
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
-            out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s])
+            if self._kernels is not None:
+                ring_pos = _ring_positions(wg.sink, wg.window, ch.start, q.device)
+                out[s] = self._kernels.window_prefill(
+                    q[s], k[s], v[s], wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot], ring_pos,
+                    ch.start, wg.sink, wg.window, self.scale)
+            else:
+                out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s])
             # Written after attention: earlier queries of the chunk still need the
             # ring's older entries. Only tokens that survive the chunk are stored.
-            cpos = torch.arange(ch.start, ch.start + ch.length)
+            cpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
             keep = (cpos < wg.sink) | (cpos >= ch.start + ch.length - wg.window)
             idx = keep.nonzero().squeeze(1)
             ridx = wg.ring_index(cpos[idx])
@@ -124,17 +154,19 @@ class HeadSplitAttention(nn.Module):
         # the chunk), the chunk's sink tokens and a span of window + block - 1 chunk keys.
         c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
         n, D = k.shape[1], k.shape[2]
+        dev = q.device
         Bq = min(WINDOW_QUERY_BLOCK, c)
         nb = -(-c // Bq)
-        ring_pos = _ring_positions(sink, W, start)  # [R], -1 where empty
+        ring_pos = _ring_positions(sink, W, start, dev)  # [R], -1 where empty
         n_sc = max(0, min(sink - start, c))
-        qa = torch.arange(nb) * Bq
-        qi = (qa[:, None] + torch.arange(Bq)).clamp(max=c - 1)  # [nb, Bq]
-        span = (qa - W + 1)[:, None] + torch.arange(W + Bq - 1)  # [nb, S]
+        qa = torch.arange(nb, device=dev) * Bq
+        qi = (qa[:, None] + torch.arange(Bq, device=dev)).clamp(max=c - 1)  # [nb, Bq]
+        span = (qa - W + 1)[:, None] + torch.arange(W + Bq - 1, device=dev)  # [nb, S]
         span_ok = (span >= 0) & (span < c) & (span + start >= sink)
         span_c = span.clamp(0, c - 1)
         kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [n, c, D]
-        pos_parts = [torch.arange(start, start + n_sc).expand(nb, -1), torch.where(span_ok, span_c + start, -1)]
+        pos_parts = [torch.arange(start, start + n_sc, device=dev).expand(nb, -1),
+                     torch.where(span_ok, span_c + start, -1)]
         k_parts = [kt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), kt[:, span_c].transpose(0, 1)]
         v_parts = [vt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), vt[:, span_c].transpose(0, 1)]
         if start > 0:  # earlier context lives in the ring; a first chunk has none
@@ -154,9 +186,9 @@ class HeadSplitAttention(nn.Module):
         return o.transpose(1, 2).reshape(nb * Bq, -1, D)[:c]
 
 
-def _ring_positions(sink: int, window: int, start: int) -> torch.Tensor:
+def _ring_positions(sink: int, window: int, start: int, device=None) -> torch.Tensor:
     """Position held by each ring slot after tokens [0, start) were written; -1 if empty."""
-    i = torch.arange(sink + window)
+    i = torch.arange(sink + window, device=device)
     pos = torch.where(i < min(sink, start), i, -1)
     last = start - 1
     if last >= sink:
@@ -196,13 +228,13 @@ def _ring_decode(q, wg: WindowGroup, slots, lens, scale) -> torch.Tensor:
     if 2 * B >= S:
         qa = q.new_zeros(S, H, D)
         qa[slots] = q
-        la = torch.ones(S, dtype=torch.int64)  # idle slots: one finite (ignored) key
+        la = torch.ones(S, dtype=torch.int64, device=q.device)  # idle slots: one finite (ignored) key
         la[slots] = lens
         kk, vv, rows = wg.k_ring, wg.v_ring, slots
     else:
         qa, la = q, lens
         kk, vv, rows = wg.k_ring.index_select(0, slots), wg.v_ring.index_select(0, slots), None
-    valid = torch.arange(R)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
+    valid = torch.arange(R, device=q.device)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
     s = torch.matmul(qa.view(-1, n, H // n, D), kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv).reshape(-1, H, D)

@@ -18,6 +18,7 @@ class PrefillChunk:
     slots: torch.Tensor    # full-pool slots of positions [0, start + length) if start > 0,
                            # else of the chunk only
     ring_slot: int         # the sequence's slot in the window-head ring pool
+    block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
 
 
 @dataclass
@@ -28,6 +29,7 @@ class StepContext:
     decode_runs: list[list[tuple[int, int]]] | None = None  # per sequence: (first slot, length)
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend)
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

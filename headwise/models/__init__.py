@@ -37,7 +37,8 @@ def model_name(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
-def load_model(model: str | None, dtype: torch.dtype) -> tuple[CausalLM, Tokenizer]:
+def load_model(model: str | None, dtype: torch.dtype,
+               device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
     from headwise.weights.gguf_loader import load_gguf
     from headwise.weights.hf_loader import load_hf_dir
 
@@ -66,14 +67,15 @@ def load_model(model: str | None, dtype: torch.dtype) -> tuple[CausalLM, Tokeniz
     if cfg.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight
     # Buffers (rotary tables) were created on meta; rebuild them for real.
-    _rebuild_rotary(model_, cfg)
-    return model_.to(dtype).eval(), tokenizer
+    _rebuild_rotary(model_, cfg, device)
+    return model_.to(dtype=dtype, device=device).eval(), tokenizer
 
 
-def _rebuild_rotary(model: CausalLM, cfg: ModelConfig) -> None:
+def _rebuild_rotary(model: CausalLM, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
     from headwise.layers.rotary import RotaryEmbedding
 
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+    rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
     for layer in model.model.layers:
         layer.self_attn.rotary = rotary
 
