@@ -34,14 +34,22 @@ class HeadwiseSystem:
         return budget // self.llm.kv_bytes(min(tokens, self.max_len))
 
     def aggregate(self, L: int, num_seqs: int, steps: int) -> float:
+        import gc
+
         from headwise import LLM
 
-        big = LLM(self.model, kv_cache_memory=num_seqs * self.llm.kv_bytes(min(L + steps + 2, self.max_len)),
-                  max_num_seqs=num_seqs, **self.opts)
+        budget = num_seqs * self.llm.kv_bytes(min(L + steps + 2, self.max_len))
+        # One engine at a time, so peak RSS is one model plus this budget (pools are
+        # allocated up front), comparable with a peer holding that many caches.
+        self.llm = None
+        gc.collect()
+        big = LLM(self.model, kv_cache_memory=budget, max_num_seqs=num_seqs, **self.opts)
         try:
             return headwise_aggregate(big, min(L, self.max_len - steps - 2), num_seqs, steps)
         finally:
             del big
+            gc.collect()
+            self.llm = LLM(self.model, kv_cache_memory=1 << 30, **self.opts)
 
     def close(self) -> None:
         del self.llm

@@ -8,6 +8,7 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 BACKENDS = ("auto", "torch", "triton")
+WINDOW_POSITIONS = ("original", "rebased")
 
 
 class ConfigError(ValueError):
@@ -28,6 +29,9 @@ class EngineConfig:
     num_threads: int | None = None
     device: str = "cpu"                       # "cpu" or "cuda[:N]"
     attention_backend: str = "auto"           # "auto" | "torch" | "triton"
+    # Rotary positions seen by window heads: "original" (DuoAttention; the default) or
+    # "rebased" (StreamingLLM: distances as if evicted tokens were never there).
+    window_positions: str = "original"
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -51,6 +55,10 @@ class EngineConfig:
             raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
+        if self.window_positions not in WINDOW_POSITIONS:
+            raise ConfigError(f"window_positions must be one of {WINDOW_POSITIONS}, got {self.window_positions!r}")
+        if self.window_positions == "rebased" and self.attention_backend == "triton":
+            raise ConfigError("window_positions='rebased' is implemented in the torch backend only")
         if self.attention_backend == "triton":
             from headwise.kernels import triton_usable
 
@@ -70,6 +78,8 @@ class EngineConfig:
             return self.attention_backend
         from headwise.kernels import triton_installed
 
+        if self.window_positions == "rebased":
+            return "torch"
         return "triton" if self.torch_device.type == "cuda" and triton_installed() else "torch"
 
     @property

@@ -103,15 +103,24 @@ def test_eval_cli_runs_every_task_and_writes_outputs(tiny_models, tmp_path):
     lay = tmp_path / "half.json"
     HeadLayout.from_full_set("half", (2, 2, 16), {(0, 0), (1, 1)}, sink=4, window=16).save(lay)
     out = tmp_path / "eval.json"
-    rc = main(["eval", "--model", str(tiny_models["llama"]), "--head-layout", str(lay), "--baselines",
+    rc = main(["eval", "--model", str(tiny_models["llama"]), "--head-layout", str(lay), "--baselines", "--rebased",
                "--tasks", "passkey,niah,ruler,ppl,agreement", "--lengths", "160", "--json", str(out),
                "--plot-dir", str(tmp_path / "plots")])
     assert rc == 0
     recs = json.loads(out.read_text())
-    assert {r["layout"] for r in recs} == {"full", "half", "random-50%", "window-same-KV"}
+    assert {r["layout"] for r in recs} == {"full", "half", "half+rebased", "random-50%", "window-same-KV"}
     assert {r["task"] for r in recs} == {"passkey", "niah", "multikey", "vartrack", "cwe", "ppl", "agreement"}
     for r in recs:
         assert set(r) >= {"layout", "task", "length", "score", "n"}
     assert all(r["score"] == 1.0 for r in recs if r["layout"] == "full" and r["task"] == "agreement")
     assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
-        f"needle_{n}.png" for n in ("full", "half", "random-50%", "window-same-KV"))
+        f"needle_{n}.png" for n in ("full", "half", "half+rebased", "random-50%", "window-same-KV"))
+
+
+def test_calibrate_cli_rejects_bad_lengths(tmp_path, capsys):
+    from headwise.cli import main
+
+    rc = main(["calibrate", "--out", str(tmp_path / "l.json"), "--lengths", "1024,lots"])
+    assert rc == 2
+    assert "--lengths must be comma-separated integers" in capsys.readouterr().err
+    assert not (tmp_path / "l.json").exists()

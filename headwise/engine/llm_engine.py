@@ -37,6 +37,9 @@ class LLMEngine:
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
                                      default=_shipped_layout(mcfg.name, shape))
         permute_model_heads(self.model, self.layout)
+        if config.window_positions == "rebased":
+            for layer in self.model.model.layers:
+                layer.self_attn.attn.sink_rotary = layer.self_attn.rotary
         limit = mcfg.max_position_embeddings
         if mcfg.sliding_window:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled

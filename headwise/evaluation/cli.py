@@ -17,9 +17,20 @@ def add_calibrate(sub) -> None:
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=24, help="calibration prompts")
+    p.add_argument("--lengths", default="1024,2048,3072", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="re-scoring rounds with the split in place")
     p.add_argument("--plot", default=None, help="PNG heatmap of per-head scores (layers x heads)")
     p.set_defaults(func=cmd_calibrate)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} must be comma-separated integers, got {text!r}") from None
+    if any(v < 1 for v in values):
+        raise ValueError(f"{flag} must be positive, got {text!r}")
+    return values
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
@@ -29,7 +40,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise ValueError(f"output directory {str(out.parent)!r} does not exist")
     layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
-                       num_samples=args.samples, rounds=args.rounds)
+                       num_samples=args.samples, lengths=_int_list(args.lengths, "--lengths"),
+                       rounds=args.rounds)
     layout.save(out)
     print(f"wrote {out}: {layout.full_fraction:.1%} of KV heads full "
           f"({sum(layout.num_full(l) for l in range(layout.num_layers))} of "
@@ -73,6 +85,8 @@ def add_eval(sub) -> None:
     p.add_argument("--seeds", type=int, default=1, help="prompts per (task, length, depth)")
     p.add_argument("--baselines", action="store_true",
                    help="add `window` with the same KV bytes and a random layout with the same full fraction")
+    p.add_argument("--rebased", action="store_true",
+                   help="also run each layout with window heads under StreamingLLM-style re-based positions")
     p.add_argument("--json", default=None)
     p.add_argument("--plot-dir", default=None)
     p.set_defaults(func=cmd_eval)
@@ -85,12 +99,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     bad = [t for t in task_names if t not in ALL_TASKS]
     if bad:
         raise ValueError(f"unknown task {bad[0]!r}; choose from {', '.join(ALL_TASKS)}")
-    try:
-        lengths = [int(x) for x in args.lengths.split(",")]
-    except ValueError:
-        raise ValueError(f"--lengths must be comma-separated integers, got {args.lengths!r}") from None
+    lengths = _int_list(args.lengths, "--lengths")
     records, text = run_eval(args.model, args.head_layout, task_names, lengths, args.seeds,
-                             args.baselines, args.json, args.plot_dir)
+                             args.baselines, args.json, args.plot_dir, args.rebased)
     print(text)
     return 0
 

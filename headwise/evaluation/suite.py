@@ -32,7 +32,10 @@ def equal_bytes_window(layout: HeadLayout, length: int, dtype_bytes: int = 4,
     return out
 
 
-def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir):
+def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir,
+             rebased: bool = False):
+    """rebased: also run every layout with window heads under StreamingLLM-style re-based
+    rotary positions (named "<layout>+rebased"), to measure that choice."""
     from tqdm import tqdm
 
     from headwise import LLM
@@ -48,27 +51,29 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
         specs = ["full"] + ([shipped] if shipped is not None else [])
     if "full" not in specs:
         specs = ["full"] + specs
-    plan: list[tuple[str, object, list[int]]] = []
+    plan: list[tuple[str, HeadLayout, list[int], dict]] = []
     split = None
     for spec in specs:
         lay = spec if isinstance(spec, HeadLayout) else (
             HeadLayout.full(shape) if spec == "full" else HeadLayout.window(shape) if spec == "window"
             else HeadLayout.load(spec))
-        plan.append((_name(spec, lay), lay, lengths))
+        plan.append((_name(spec, lay), lay, lengths, {}))
+        if rebased and lay.full_fraction < 1:
+            plan.append((_name(spec, lay) + "+rebased", lay, lengths, {"window_positions": "rebased"}))
         if split is None and 0 < lay.full_fraction < 1:
             split = lay
     if baselines and split is not None:
         plan.append((f"random-{split.full_fraction:.0%}",
-                     HeadLayout.random(shape, split.full_fraction, seed=0), lengths))
+                     HeadLayout.random(shape, split.full_fraction, seed=0), lengths, {}))
         for L in lengths:
-            plan.append(("window-same-KV", equal_bytes_window(split, L), [L]))
+            plan.append(("window-same-KV", equal_bytes_window(split, L), [L], {}))
     per_length = (5 * sum(t in task_names for t in ("passkey", "niah")) * seeds
                   + (3 * max(3, seeds) if "ruler" in task_names else 0)
                   + ("ppl" in task_names) + ("agreement" in task_names))
-    bar = tqdm(total=per_length * sum(len(ls) for _, _, ls in plan), desc="evaluating", unit="prompt")
+    bar = tqdm(total=per_length * sum(len(ls) for _, _, ls, _ in plan), desc="evaluating", unit="prompt")
     records, full_outputs = [], None
-    for name, lay, ls in plan:
-        llm = ref if name == "full" else LLM(model, head_layout=lay, **opts)
+    for name, lay, ls, extra in plan:
+        llm = ref if name == "full" else LLM(model, head_layout=lay, **opts, **extra)
         recs, outs = runner.evaluate_layout(llm, name, task_names, ls, seeds,
                                             None if name == "full" else full_outputs, bar)
         if name == "full":
@@ -79,7 +84,7 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
         if llm is not ref:
             del llm
     bar.close()
-    names = list(dict.fromkeys(n for n, _, _ in plan))
+    names = list(dict.fromkeys(n for n, _, _, _ in plan))
     text = runner.table(records, names, lengths)
     if json_path:
         runner.write_json(records, json_path)

@@ -51,6 +51,10 @@ class HeadSplitAttention(nn.Module):
         self.observer = None
         self.block_size = 16
         self._kernels = None  # headwise.kernels.triton_attention when that backend is bound
+        # Set for StreamingLLM-style re-based positions: window heads then score sink keys
+        # with the query rotated back by delta = max(0, p - (sink + window - 1)), the
+        # distance the evicted tokens would have added. None: original positions.
+        self.sink_rotary = None
 
     def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup],
              block_size: int = 16, backend: str = "torch") -> None:
@@ -130,7 +134,8 @@ class HeadSplitAttention(nn.Module):
                 out[:B] = self._kernels.ring_decode(q[:B], wg.k_ring, wg.v_ring, slots,
                                                     ctx.decode_lens, self.scale)
             else:
-                out[:B] = _ring_decode(q[:B], wg, slots, ctx.decode_lens, self.scale)
+                out[:B] = _ring_decode(q[:B], wg, slots, ctx.decode_lens, self.scale,
+                                       self._sink_query(wg, q[:B], pos))
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
             if self._kernels is not None:
@@ -139,7 +144,8 @@ class HeadSplitAttention(nn.Module):
                     q[s], k[s], v[s], wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot], ring_pos,
                     ch.start, wg.sink, wg.window, self.scale)
             else:
-                out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s])
+                qs = self._sink_query(wg, q[s], torch.arange(ch.start, ch.start + ch.length, device=q.device))
+                out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s], qs)
             # Written after attention: earlier queries of the chunk still need the
             # ring's older entries. Only tokens that survive the chunk are stored.
             cpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
@@ -149,7 +155,14 @@ class HeadSplitAttention(nn.Module):
             wg.k_ring[ch.ring_slot, :, ridx] = k[s][idx].transpose(0, 1)
             wg.v_ring[ch.ring_slot, :, ridx] = v[s][idx].transpose(0, 1)
 
-    def _window_prefill(self, wg: WindowGroup, ch: PrefillChunk, q, k, v) -> torch.Tensor:
+    def _sink_query(self, wg: WindowGroup, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
+        if self.sink_rotary is None or wg.sink == 0:
+            return None
+        delta = (pos - (wg.sink + wg.window - 1)).clamp(min=0)
+        return self.sink_rotary.shift_back(q, delta)
+
+    def _window_prefill(self, wg: WindowGroup, ch: PrefillChunk, q, k, v,
+                        q_sink: torch.Tensor | None = None) -> torch.Tensor:
         # q: [c, n*g, D]; k, v: [c, n, D]. Each query block sees the ring (context before
         # the chunk), the chunk's sink tokens and a span of window + block - 1 chunk keys.
         c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
@@ -181,8 +194,17 @@ class HeadSplitAttention(nn.Module):
         kp = kpos[:, None, :]
         mask = (kp >= 0) & (kp <= qpos) & ((kp < sink) | (kp > qpos - W))
         qq = q[qi].transpose(1, 2)  # [nb, n*g, Bq, D]
-        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None],
-                                           scale=self.scale, enable_gqa=True)
+        if q_sink is None:
+            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None],
+                                               scale=self.scale, enable_gqa=True)
+        else:  # re-based positions: sink keys are scored with the shifted query
+            g = qq.shape[1] // n
+            kT = kk.transpose(-1, -2)[:, :, None]  # [nb, n, 1, D, nk]
+            s = qq.reshape(nb, n, g, Bq, D) @ kT  # [nb, n, g, Bq, nk]
+            s_sink = q_sink[qi].transpose(1, 2).reshape(nb, n, g, Bq, D) @ kT
+            s = torch.where((kpos < sink)[:, None, None, None, :], s_sink, s).float() * self.scale
+            s = s.masked_fill(~mask[:, None, None], float("-inf"))
+            o = (torch.softmax(s, dim=-1).to(vv.dtype) @ vv[:, :, None]).reshape(nb, n * g, Bq, D)
         return o.transpose(1, 2).reshape(nb * Bq, -1, D)[:c]
 
 
@@ -220,14 +242,19 @@ def _paged_decode(q, kc, vc, runs, scale) -> torch.Tensor:
     return out
 
 
-def _ring_decode(q, wg: WindowGroup, slots, lens, scale) -> torch.Tensor:
+def _ring_decode(q, wg: WindowGroup, slots, lens, scale, q_sink=None) -> torch.Tensor:
     # q: [B, n*g, D]. When most ring slots are busy, attend over every slot of the group
     # in one batched matmul on the ring itself (no copy); otherwise gather the B rings.
+    # q_sink: the query for the sink entries under re-based positions (else None).
     B, H, D = q.shape
     S, n, R, _ = wg.k_ring.shape
+    qs = q_sink
     if 2 * B >= S:
         qa = q.new_zeros(S, H, D)
         qa[slots] = q
+        if q_sink is not None:
+            qs = q.new_zeros(S, H, D)
+            qs[slots] = q_sink
         la = torch.ones(S, dtype=torch.int64, device=q.device)  # idle slots: one finite (ignored) key
         la[slots] = lens
         kk, vv, rows = wg.k_ring, wg.v_ring, slots
@@ -236,6 +263,9 @@ def _ring_decode(q, wg: WindowGroup, slots, lens, scale) -> torch.Tensor:
         kk, vv, rows = wg.k_ring.index_select(0, slots), wg.v_ring.index_select(0, slots), None
     valid = torch.arange(R, device=q.device)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
     s = torch.matmul(qa.view(-1, n, H // n, D), kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
+    if qs is not None:  # ring entries [0, sink) hold the sink tokens
+        sk = wg.sink
+        s[..., :sk] = torch.matmul(qs.view(-1, n, H // n, D), kk[:, :, :sk].transpose(-1, -2)).float() * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv).reshape(-1, H, D)
     return o if rows is None else o[rows]

@@ -47,6 +47,13 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
+    def shift_back(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D], already rotated to positions p, rotated to positions p - delta[T]."""
+        cos = self.cos[delta].unsqueeze(1)
+        sin = -self.sin[delta].unsqueeze(1)  # a rotation by -delta
+        return _rotate(x, cos, sin)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

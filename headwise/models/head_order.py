@@ -13,7 +13,7 @@ from headwise.models.llama import CausalLM
 
 
 def _rows(weight: torch.Tensor, order: list[int], head_dim: int) -> torch.Tensor:
-    idx = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in order])
+    idx = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim, device=weight.device) for h in order])
     return weight.index_select(0, idx)
 
 
