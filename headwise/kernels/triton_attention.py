@@ -135,25 +135,40 @@ def _ring_decode_kernel(Q, K, V, RSLOT, LENS, OUT,
 
 
 @triton.jit
+def _query_rows(Q, sq_t, sq_h, pid, h, c, G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
+                BM: tl.constexpr):
+    # Prefill rows are (query, query head) pairs of KV head h's group, so its g query
+    # heads share every key tile. Returns query index, query head, row mask, D lanes, q.
+    p = pid * BM + tl.arange(0, BM)
+    pmask = p < c * G
+    qi = p // G
+    qh = h * G + p % G
+    d = tl.arange(0, BD)
+    dmask = d < D
+    q = tl.load(Q + qi[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
+                mask=pmask[:, None] & dmask[None, :], other=0.0)
+    return qi, qh, pmask, d, dmask, q
+
+
+@triton.jit
+def _store_rows(OUT, so_t, so_h, qi, qh, pmask, d, dmask, acc, l):
+    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
+    tl.store(OUT + qi[:, None] * so_t + qh[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
+             mask=pmask[:, None] & dmask[None, :])
+
+
+@triton.jit
 def _paged_prefill_kernel(Q, K, V, TABLE, OUT,
                           sq_t, sq_h, sk_h, sk_s, so_t, so_h, start, c, scale,
                           G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                           IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    # Program (row block, full KV head h). Rows are (query, query head) pairs of the
-    # group, so g query heads share each loaded key tile. Causal: keys stop at the
-    # block's last query, and the chunk's own keys are already in the pool.
+    # Program (row block, full KV head h). Causal: keys stop at the block's last
+    # query, and the chunk's own keys are already in the pool.
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    p = pid * BM + tl.arange(0, BM)
-    pmask = p < c * G
-    qi = p // G
-    qh = h * G + p % G
+    qi, qh, pmask, d, dmask, q = _query_rows(Q, sq_t, sq_h, pid, h, c, G, D, BD, BM)
     qpos = start + qi
-    d = tl.arange(0, BD)
-    dmask = d < D
-    q = tl.load(Q + qi[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
-                mask=pmask[:, None] & dmask[None, :], other=0.0)
     last = start + tl.minimum((pid * BM + BM - 1) // G, c - 1)
     m = tl.full([BM], float("-inf"), tl.float32)
     l = tl.zeros([BM], tl.float32)
@@ -169,9 +184,7 @@ def _paged_prefill_kernel(Q, K, V, TABLE, OUT,
         v = tl.load(V + off, mask=lmask, other=0.0)
         valid = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         m, l, acc = _online_update(q, k, v, valid, m, l, acc, scale, IEEE, UPCAST)
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(OUT + qi[:, None] * so_t + qh[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=pmask[:, None] & dmask[None, :])
+    _store_rows(OUT, so_t, so_h, qi, qh, pmask, d, dmask, acc, l)
 
 
 @triton.jit
@@ -187,15 +200,8 @@ def _window_prefill_kernel(Q, K, V, KR, VR, RPOS, OUT,
     # tokens, and the chunk tokens in [first query - W + 1, last query].
     pid = tl.program_id(0)
     h = tl.program_id(1)
-    p = pid * BM + tl.arange(0, BM)
-    pmask = p < c * G
-    qi = p // G
-    qh = h * G + p % G
+    qi, qh, pmask, d, dmask, q = _query_rows(Q, sq_t, sq_h, pid, h, c, G, D, BD, BM)
     qpos = start + qi
-    d = tl.arange(0, BD)
-    dmask = d < D
-    q = tl.load(Q + qi[:, None] * sq_t + qh[:, None] * sq_h + d[None, :],
-                mask=pmask[:, None] & dmask[None, :], other=0.0)
     q_first = (pid * BM) // G
     q_last = tl.minimum((pid * BM + BM - 1) // G, c - 1)
     m = tl.full([BM], float("-inf"), tl.float32)
@@ -232,9 +238,7 @@ def _window_prefill_kernel(Q, K, V, KR, VR, RPOS, OUT,
         v = tl.load(V + off, mask=lmask, other=0.0)
         valid = (jmask & (kp >= sink))[None, :] & (kp[None, :] <= qpos[:, None]) & (kp[None, :] > qpos[:, None] - W)
         m, l, acc = _online_update(q, k, v, valid, m, l, acc, scale, IEEE, UPCAST)
-    out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
-    tl.store(OUT + qi[:, None] * so_t + qh[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=pmask[:, None] & dmask[None, :])
+    _store_rows(OUT, so_t, so_h, qi, qh, pmask, d, dmask, acc, l)
 
 
 # ---- launchers ---------------------------------------------------------------------
