@@ -49,11 +49,12 @@ def run_demo(args: argparse.Namespace) -> int:
 
 def _print_table(rows, answer: str) -> None:
     print(f"expected answer: {answer}")
-    hdr = f"{'layout':<34} {'full heads':>10} {'TTFT s':>8} {'decode tok/s':>13} {'KV MiB':>8}  answer"
+    w = max(34, *(len(name) for name, _ in rows))
+    hdr = f"{'layout':<{w}} {'full heads':>10} {'TTFT s':>8} {'decode tok/s':>13} {'KV MiB':>8}  answer"
     print(hdr)
     print("-" * len(hdr))
     for name, r in rows:
-        print(f"{name:<34} {r['full_fraction']:>10.1%} {r['ttft_s']:>8.2f} {r['decode_tok_s']:>13.1f} "
+        print(f"{name:<{w}} {r['full_fraction']:>10.1%} {r['ttft_s']:>8.2f} {r['decode_tok_s']:>13.1f} "
               f"{r['kv_bytes'] / 2**20:>8.1f}  {r['answer']!r} {'(correct)' if r['correct'] else '(WRONG)'}")
     if len(rows) == 2:
         a, b = rows[0][1], rows[1][1]

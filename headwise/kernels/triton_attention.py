@@ -61,6 +61,21 @@ def _online_update(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def _group_query(Q, sq_b, sq_h, b, h, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
+                 BD: tl.constexpr):
+    # Decode: the g query heads of KV head h for sequence b, padded to G_PAD >= 16 rows
+    # (the minimum tl.dot tile). Returns query heads, row mask, D lanes and q [G_PAD, BD].
+    r = tl.arange(0, G_PAD)
+    d = tl.arange(0, BD)
+    rmask = r < G
+    dmask = d < D
+    qh = h * G + r
+    q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + d[None, :],
+                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    return qh, rmask, d, dmask, q
+
+
+@triton.jit
 def _paged_decode_kernel(Q, K, V, TABLES, LENS, ACC, LSE,
                          sq_b, sq_h, sk_h, sk_s, st_b, sa_b, sa_h, sa_s, sl_b, sl_h,
                          scale, split_len,
@@ -73,13 +88,7 @@ def _paged_decode_kernel(Q, K, V, TABLES, LENS, ACC, LSE,
     L = tl.load(LENS + b)
     lo = sp * split_len
     hi = tl.minimum(L, lo + split_len)
-    r = tl.arange(0, G_PAD)
-    d = tl.arange(0, BD)
-    rmask = r < G
-    dmask = d < D
-    qh = h * G + r
-    q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qh, rmask, d, dmask, q = _group_query(Q, sq_b, sq_h, b, h, G, G_PAD, D, BD)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BD], tl.float32)
@@ -111,13 +120,7 @@ def _ring_decode_kernel(Q, K, V, RSLOT, LENS, OUT,
     h = tl.program_id(1)
     L = tl.minimum(tl.load(LENS + b), R)
     base = tl.load(RSLOT + b).to(tl.int64) * sk_slot + h * sk_h
-    r = tl.arange(0, G_PAD)
-    d = tl.arange(0, BD)
-    rmask = r < G
-    dmask = d < D
-    qh = h * G + r
-    q = tl.load(Q + b * sq_b + qh[:, None] * sq_h + d[None, :],
-                mask=rmask[:, None] & dmask[None, :], other=0.0)
+    qh, rmask, d, dmask, q = _group_query(Q, sq_b, sq_h, b, h, G, G_PAD, D, BD)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, BD], tl.float32)
