@@ -29,6 +29,8 @@ fix_interpreter_for_numpy()
 BLOCK_N = 64
 BLOCK_M = 64
 TARGET_PROGRAMS = 264
+# Read once, as Triton itself does when the kernels below are defined.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
@@ -252,7 +254,7 @@ def _pad(n: int) -> int:
 def _dot_mode(t: torch.Tensor) -> dict[str, bool]:
     # float32 inputs: exact products (tf32 would cost ~1e-3 against the reference).
     # bf16 on a GPU: tensor-core dots. bf16 in the interpreter: upcast, then exact.
-    upcast = t.dtype != torch.float32 and os.environ.get("TRITON_INTERPRET") == "1"
+    upcast = t.dtype != torch.float32 and _INTERPRETED
     return {"IEEE": t.dtype == torch.float32 or upcast, "UPCAST": upcast}
 
 

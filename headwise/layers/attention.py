@@ -138,17 +138,16 @@ class HeadSplitAttention(nn.Module):
                                        self._sink_query(wg, q[:B], pos))
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
+            cpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
             if self._kernels is not None:
                 ring_pos = _ring_positions(wg.sink, wg.window, ch.start, q.device)
                 out[s] = self._kernels.window_prefill(
                     q[s], k[s], v[s], wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot], ring_pos,
                     ch.start, wg.sink, wg.window, self.scale)
             else:
-                qs = self._sink_query(wg, q[s], torch.arange(ch.start, ch.start + ch.length, device=q.device))
-                out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s], qs)
+                out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s], self._sink_query(wg, q[s], cpos))
             # Written after attention: earlier queries of the chunk still need the
             # ring's older entries. Only tokens that survive the chunk are stored.
-            cpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
             keep = (cpos < wg.sink) | (cpos >= ch.start + ch.length - wg.window)
             idx = keep.nonzero().squeeze(1)
             ridx = wg.ring_index(cpos[idx])
