@@ -19,14 +19,14 @@ def main() -> None:
     ap.add_argument("--prefill", default="1024,4096,8192")
     ap.add_argument("--decode", default="1024,4096")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     ap.add_argument("--out", default="bench/engine.json")
     a = ap.parse_args()
     from headwise import LLM
 
-    import torch
     llm = LLM(head_layout="full", dtype=a.dtype, kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
-    hf = load_hf_default(getattr(torch, a.dtype))
+    a.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what "auto" resolved to
+    hf = load_hf_default(llm.engine.dtype)
     tok = llm.tokenizer
     lengths = sorted({int(x) for x in a.prefill.split(",")} | {int(x) for x in a.decode.split(",")})
     rows, records = [], []

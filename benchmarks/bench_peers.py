@@ -28,6 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import Stat, machine  # noqa: E402
+from headwise.config import DTYPE_CHOICES, EngineConfig  # noqa: E402
+from headwise.models import checkpoint_dtype  # noqa: E402
 
 FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
           "max_concurrency", "peak_rss_bytes")
@@ -55,9 +57,9 @@ def measure(system, contexts, runs, budget, new_tokens, agg_steps) -> list[dict]
     return recs
 
 
-def _run_system(name, model, layout, contexts, runs, budget, new_tokens, agg_steps):
+def _run_system(name, model, layout, dtype, contexts, runs, budget, new_tokens, agg_steps):
     try:
-        system = peers.make(name, model, max(contexts), layout)
+        system = peers.make(name, model, max(contexts), layout, dtype)
     except peers.Skip as e:
         return [], str(e)
     recs = measure(system, contexts, runs, budget, new_tokens, agg_steps)
@@ -143,7 +145,10 @@ def main(argv=None) -> int:
     ap.add_argument("--agg-steps", type=int, default=8)
     ap.add_argument("--systems", default="headwise,headwise-full,transformers,llama.cpp")
     ap.add_argument("--out-dir", default="bench")
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                    help="headwise and transformers compute dtype (auto: as the engine picks it)")
     a = ap.parse_args(argv)
+    dtype = str(EngineConfig(dtype=a.dtype).resolve_dtype(checkpoint_dtype(a.model))).removeprefix("torch.")
     contexts = [int(x) for x in a.contexts.split(",")]
     budget = int(a.budget_gib * 2**30)
     out = Path(a.out_dir)
@@ -153,17 +158,18 @@ def main(argv=None) -> int:
     for name in a.systems.split(","):
         # Each system runs in a fresh process, so its peak RSS is its own.
         with ctx.Pool(1) as pool:
-            recs, why = pool.apply(_run_system, (name, a.model, a.layout, contexts, a.runs, budget,
+            recs, why = pool.apply(_run_system, (name, a.model, a.layout, dtype, contexts, a.runs, budget,
                                                  a.new_tokens, a.agg_steps))
         if why is not None:
             print(f"{name}: skipped ({why})", flush=True)
             skipped[name] = why
         records += recs
-    table = (f"Machine: {machine()}; KV budget {a.budget_gib:g} GiB; median [min-max] of {a.runs} runs\n\n"
+    table = (f"Machine: {machine()}; {dtype} (headwise, transformers); KV budget {a.budget_gib:g} GiB; "
+             f"median [min-max] of {a.runs} runs\n\n"
              + ratio_table(records, skipped, "headwise"))
     print("\n" + table)
     (out / "results.json").write_text(json.dumps(
-        {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "skipped": skipped,
+        {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "skipped": skipped,
          "records": [{k: r[k] for k in FIELDS} | {"range": r["range"]} for r in records]}, indent=1))
     (out / "results.md").write_text(table + "\n")
     if records:

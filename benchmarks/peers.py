@@ -13,11 +13,11 @@ class Skip(Exception):
 
 
 class HeadwiseSystem:
-    def __init__(self, name: str, model: str | None, layout, max_context: int) -> None:
+    def __init__(self, name: str, model: str | None, layout, max_context: int, dtype: str) -> None:
         from headwise import LLM
 
         self.name, self.model, self.layout = name, model, layout
-        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192)
+        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192, dtype=dtype)
         self.llm = LLM(model, kv_cache_memory=1 << 30, **self.opts)
         self.max_len = self.llm.engine.max_model_len
 
@@ -58,23 +58,24 @@ class HeadwiseSystem:
 class TransformersSystem:
     name = "transformers"
 
-    def __init__(self, model: str | None) -> None:
+    def __init__(self, model: str | None, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
         from headwise.models import resolve_model_path
         from headwise.tokenizer import Tokenizer
 
         p = resolve_model_path(model)
+        dt = getattr(torch, dtype)
         if p.is_file():
-            self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32)
+            self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt)
             self.tok = Tokenizer.from_path(p.parent, p.name)
         else:
-            self.hf = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32)
+            self.hf = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
             self.tok = Tokenizer.from_path(p)
         self.hf.eval()
         c = self.hf.config
         self.per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (
-            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * 4
+            getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * dt.itemsize
         self.max_len = c.max_position_embeddings
 
     def _ids(self, L: int, new: int, salt: int = 0) -> list[int]:
@@ -84,7 +85,7 @@ class TransformersSystem:
         return hf_single(self.hf, self._ids(L, new, L), new)
 
     def kv_bytes(self, L: int) -> int:
-        return L * self.per_token  # DynamicCache: float32 K and V for every layer and KV head
+        return L * self.per_token  # DynamicCache: K and V (model dtype) for every layer and KV head
 
     def max_concurrency(self, tokens: int, budget: int) -> int:
         return budget // self.kv_bytes(min(tokens, self.max_len))
@@ -181,7 +182,9 @@ class _LlamaTok:
         return self.llm.tokenize(text.encode(), add_bos=False, special=False)
 
 
-def make(name: str, model: str | None, max_context: int, layout=None):
+def make(name: str, model: str | None, max_context: int, layout=None, dtype: str = "float32"):
+    """dtype: the resolved compute dtype ("float32" | "bfloat16") shared by headwise and
+    transformers; llama.cpp runs the GGUF as it is (quantized weights, f16 KV)."""
     if name == "headwise":
         from headwise.layouts import shipped_layout
         from headwise.models import DEFAULT_MODEL_NAME
@@ -189,11 +192,11 @@ def make(name: str, model: str | None, max_context: int, layout=None):
         lay = layout or (shipped_layout(DEFAULT_MODEL_NAME, (30, 3, 64)) if model is None else None)
         if lay is None:
             raise Skip("no calibrated layout for this model; run headwise calibrate and pass it")
-        return HeadwiseSystem("headwise", model, lay, max_context)
+        return HeadwiseSystem("headwise", model, lay, max_context, dtype)
     if name == "headwise-full":
-        return HeadwiseSystem("headwise-full", model, "full", max_context)
+        return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":
-        return TransformersSystem(model)
+        return TransformersSystem(model, dtype)
     if name == "llama.cpp":
         return LlamaCppSystem(model, max_context)
     raise ValueError(f"unknown system {name!r}")

@@ -5,13 +5,15 @@ import argparse
 import sys
 
 from headwise.cache.layout import LayoutError
+from headwise.config import DTYPE_CHOICES
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
     p.add_argument("--head-layout", default=None,
                    help="full | window | PATH to a layout JSON (default: the model's shipped layout, else full)")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
+                   help="auto: bfloat16 where the device computes it natively, else float32")
     p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV cache (both pools)")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=32)

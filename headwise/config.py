@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPE_CHOICES = ("auto", *DTYPES)
 BACKENDS = ("auto", "torch", "triton")
 WINDOW_POSITIONS = ("original", "rebased")
 
@@ -18,7 +19,9 @@ class ConfigError(ValueError):
 @dataclass
 class EngineConfig:
     model: str | None = None                  # GGUF file or HF directory; None: default model
-    dtype: str = "float32"
+    # "auto": bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16
+    # or AMX) and the checkpoint is 16-bit or quantized, else float32. See resolve_dtype.
+    dtype: str = "auto"
     head_layout: Any = None                   # "full" | "window" | path | HeadLayout | None
     block_size: int = 16
     kv_cache_memory: int = 1 << 30            # bytes for both KV pools together
@@ -34,8 +37,8 @@ class EngineConfig:
     window_positions: str = "original"
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ConfigError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -82,9 +85,14 @@ class EngineConfig:
             return "torch"
         return "triton" if self.torch_device.type == "cuda" and triton_installed() else "torch"
 
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def resolve_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
+        """The compute and KV dtype. checkpoint_dtype: what the weights were saved in
+        ("float32", "bfloat16", ...), None for quantized (GGUF) weights."""
+        if self.dtype != "auto":
+            return DTYPES[self.dtype]
+        if checkpoint_dtype in (None, "bfloat16", "float16") and native_bf16(self.torch_device):
+            return torch.bfloat16
+        return torch.float32
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> "EngineConfig":
@@ -93,3 +101,15 @@ class EngineConfig:
         if unknown:
             raise ConfigError(f"unknown engine option(s) {unknown}; known: {sorted(known)}")
         return cls(model=model, **options)
+
+
+def native_bf16(device: torch.device) -> bool:
+    """Whether bfloat16 matmuls run natively (faster than float32) on `device`."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    try:  # x86 Linux: AVX512-BF16 or AMX dot products (elsewhere PyTorch emulates bf16)
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags

@@ -73,7 +73,7 @@ def default_llm():
     """SmolLM2-135M-Instruct from the GGUF, all heads full (loaded once)."""
     from headwise import LLM
 
-    return LLM(head_layout="full", kv_cache_memory=1 << 30)
+    return LLM(head_layout="full", kv_cache_memory=1 << 30, dtype="float32")
 
 
 def assert_batched_equals_single(llm, prompts, params) -> None:

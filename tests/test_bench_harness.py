@@ -14,6 +14,7 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
                            "--systems", "headwise,headwise-full,transformers,llama.cpp", "--out-dir", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
+    assert res["dtype"] == "float32"  # auto: the tiny checkpoint is float32
     recs = res["records"]
     assert {r["system"] for r in recs} == {"headwise", "headwise-full", "transformers"}
     for r in recs:

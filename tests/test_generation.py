@@ -121,8 +121,43 @@ def test_bad_model_paths_and_options(tmp_path, tiny_models):
 
 def test_bfloat16_runs_and_mostly_agrees(tiny_models):
     f32 = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24)
+    assert f32.engine.dtype == torch.float32  # auto: the tiny checkpoint is saved in float32
     bf = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24, dtype="bfloat16")
     assert bf.engine.cache.full.k.dtype == torch.bfloat16
     ids = f32.tokenizer.encode(PROMPTS[1])
     a, b = f32.engine.prompt_logits(ids), bf.engine.prompt_logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_follows_checkpoint_and_device(tiny_models, tmp_path, monkeypatch, native):
+    """auto: bfloat16 for 16-bit or quantized checkpoints where the device computes it
+    natively; float32 checkpoints, and devices without native bf16, stay float32."""
+    import json
+    import shutil
+
+    import headwise.config as config_mod
+    from headwise.config import EngineConfig
+    from headwise.models import checkpoint_dtype
+
+    monkeypatch.setattr(config_mod, "native_bf16", lambda device: native)
+    want = torch.bfloat16 if native else torch.float32
+    cfg = EngineConfig()
+    assert cfg.resolve_dtype(None) == want  # GGUF
+    assert cfg.resolve_dtype("bfloat16") == want
+    assert cfg.resolve_dtype("float32") == torch.float32
+    assert EngineConfig(dtype="float32").resolve_dtype(None) == torch.float32
+    assert EngineConfig(dtype="bfloat16").resolve_dtype("float32") == torch.bfloat16
+
+    bf_dir = tmp_path / "bf16"
+    shutil.copytree(tiny_models["llama"], bf_dir)
+    meta = json.loads((bf_dir / "config.json").read_text())
+    meta.pop("dtype", None)
+    meta["torch_dtype"] = "bfloat16"
+    (bf_dir / "config.json").write_text(json.dumps(meta))
+    assert checkpoint_dtype(str(bf_dir)) == "bfloat16"
+    assert checkpoint_dtype(str(tiny_models["llama"])) == "float32"
+    llm = LLM(str(bf_dir), head_layout="full", kv_cache_memory=1 << 24)
+    assert llm.engine.dtype == want
+    assert llm.engine.cache.full.k.dtype == want
+    assert next(llm.engine.model.parameters()).dtype == want

@@ -12,7 +12,7 @@ from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.sequence import Sequence
-from headwise.models import load_model
+from headwise.models import checkpoint_dtype, load_model
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
 
@@ -29,7 +29,12 @@ class LLMEngine:
         self.config = config
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
-        self.model, self.tokenizer = loaded or load_model(config.model, config.torch_dtype, config.torch_device)
+        if loaded:
+            self.model, self.tokenizer = loaded
+            self.dtype = next(self.model.parameters()).dtype
+        else:
+            self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
+            self.model, self.tokenizer = load_model(config.model, self.dtype, config.torch_device)
         mcfg = self.model.config
         self.model_config = mcfg
         self.model_name = mcfg.name
@@ -45,7 +50,7 @@ class LLMEngine:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
-                                    config.max_num_seqs, config.torch_dtype, config.torch_device)
+                                    config.max_num_seqs, self.dtype, config.torch_device)
         self.runner = ModelRunner(self.model, self.cache, config.torch_device, config.backend)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_queue)

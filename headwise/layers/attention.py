@@ -15,8 +15,8 @@ from torch import nn
 
 from headwise.layers.context import PrefillChunk, StepContext, get_context
 
-# Query block size for blockwise window-head prefill: each block of this many queries
-# reads sink + window + block - 1 keys, so the work is O(n * (sink + window)).
+# Query block size for window-head prefill: each block of this many queries reads the
+# window + block keys before and at it, so the work is O(n * (sink + window)).
 WINDOW_QUERY_BLOCK = 64
 
 
@@ -162,49 +162,80 @@ class HeadSplitAttention(nn.Module):
 
     def _window_prefill(self, wg: WindowGroup, ch: PrefillChunk, q, k, v,
                         q_sink: torch.Tensor | None = None) -> torch.Tensor:
-        # q: [c, n*g, D]; k, v: [c, n, D]. Each query block sees the ring (context before
-        # the chunk), the chunk's sink tokens and a span of window + block - 1 chunk keys.
+        # q: [c, n*g, D]; k, v: [c, n, D] -> [c, n*g, D]. Query p sees two disjoint key
+        # sets, attended separately and merged by their log-sum-exp:
+        #   band: positions (p - W, p], read as overlapping strided views (no gather);
+        #   sinks: positions s < sink with s <= p - W (the sinks the band has left).
         c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
         n, D = k.shape[1], k.shape[2]
-        dev = q.device
+        g = q.shape[1] // n
         Bq = min(WINDOW_QUERY_BLOCK, c)
         nb = -(-c // Bq)
-        ring_pos = _ring_positions(sink, W, start, dev)  # [R], -1 where empty
-        n_sc = max(0, min(sink - start, c))
-        qa = torch.arange(nb, device=dev) * Bq
-        qi = (qa[:, None] + torch.arange(Bq, device=dev)).clamp(max=c - 1)  # [nb, Bq]
-        span = (qa - W + 1)[:, None] + torch.arange(W + Bq - 1, device=dev)  # [nb, S]
-        span_ok = (span >= 0) & (span < c) & (span + start >= sink)
-        span_c = span.clamp(0, c - 1)
-        kt, vt = k.transpose(0, 1), v.transpose(0, 1)  # [n, c, D]
-        pos_parts = [torch.arange(start, start + n_sc, device=dev).expand(nb, -1),
-                     torch.where(span_ok, span_c + start, -1)]
-        k_parts = [kt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), kt[:, span_c].transpose(0, 1)]
-        v_parts = [vt[:, :n_sc].unsqueeze(0).expand(nb, -1, -1, -1), vt[:, span_c].transpose(0, 1)]
-        if start > 0:  # earlier context lives in the ring; a first chunk has none
-            rk, rv = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
-            pos_parts.insert(0, ring_pos.expand(nb, -1))
-            k_parts.insert(0, rk.unsqueeze(0).expand(nb, -1, -1, -1))
-            v_parts.insert(0, rv.unsqueeze(0).expand(nb, -1, -1, -1))
-        kpos = torch.cat(pos_parts, dim=1)  # [nb, nk]
-        kk = torch.cat(k_parts, dim=2)  # [nb, n, nk, D]
-        vv = torch.cat(v_parts, dim=2)
-        qpos = (qi + start)[:, :, None]  # [nb, Bq, 1]
-        kp = kpos[:, None, :]
-        mask = (kp >= 0) & (kp <= qpos) & ((kp < sink) | (kp > qpos - W))
-        qq = q[qi].transpose(1, 2)  # [nb, n*g, Bq, D]
-        if q_sink is None:
-            o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask[:, None],
-                                               scale=self.scale, enable_gqa=True)
-        else:  # re-based positions: sink keys are scored with the shifted query
-            g = qq.shape[1] // n
-            kT = kk.transpose(-1, -2)[:, :, None]  # [nb, n, 1, D, nk]
-            s = qq.reshape(nb, n, g, Bq, D) @ kT  # [nb, n, g, Bq, nk]
-            s_sink = q_sink[qi].transpose(1, 2).reshape(nb, n, g, Bq, D) @ kT
-            s = torch.where((kpos < sink)[:, None, None, None, :], s_sink, s).float() * self.scale
-            s = s.masked_fill(~mask[:, None, None], float("-inf"))
-            o = (torch.softmax(s, dim=-1).to(vv.dtype) @ vv[:, :, None]).reshape(nb, n * g, Bq, D)
-        return o.transpose(1, 2).reshape(nb * Bq, -1, D)[:c]
+        S = W + Bq  # keys of block b: positions start + b*Bq - W + [0, S)
+        # Keys of positions [start - W, start + nb*Bq), zero where no token exists.
+        kp = k.new_zeros(n, W + nb * Bq, D)
+        vp = v.new_zeros(n, W + nb * Bq, D)
+        lo = max(0, start - W)
+        if lo < start:  # earlier context: the ring holds every position in [lo, start)
+            ridx = wg.ring_index(torch.arange(lo, start, device=q.device))
+            kp[:, W - start + lo:W] = wg.k_ring[ch.ring_slot][:, ridx]
+            vp[:, W - start + lo:W] = wg.v_ring[ch.ring_slot][:, ridx]
+        kp[:, W:W + c] = k.transpose(0, 1)
+        vp[:, W:W + c] = v.transpose(0, 1)
+        sn, st, sd = kp.stride()
+        kb = kp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))  # [n, nb, S, D] overlapping
+        vb = vp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))
+        # GQA without copying keys: a block's g query heads of one KV head are its rows.
+        qb = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - c)).view(nb, Bq, n, g, D)
+        qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
+        rel = torch.arange(S, device=q.device)[None, :] - torch.arange(Bq, device=q.device)[:, None]
+        band = ((rel > 0) & (rel <= W)).repeat(g, 1)  # [g*Bq, S]: key j sees row i iff i < j <= i + W
+        # Blocks reaching before position 0 also mask their padding keys.
+        nh = min(nb, max(0, -(-(W - start) // Bq)))
+        o = q.new_empty(n, nb, g * Bq, D)
+        lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
+        if nh:
+            kpos = start - W + torch.arange(nh, device=q.device)[:, None] * Bq + torch.arange(S, device=q.device)
+            m = band[None] & (kpos >= 0)[:, None, :]  # [nh, g*Bq, S]
+            o[:, :nh], lse[:, :nh] = _attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], m[None], self.scale)
+        if nh < nb:
+            o[:, nh:], lse[:, nh:] = _attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], band[None, None], self.scale)
+        out = o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c]
+        r0 = max(0, W - start)  # first query row with p - W >= 0: it sees sink 0 outside its band
+        ns = min(sink, start + c - W)  # sinks some query of the chunk sees outside its band
+        if r0 >= c or ns <= 0:
+            return out
+        n_ring = min(ns, start)
+        sk = torch.cat([wg.k_ring[ch.ring_slot][:, :n_ring], k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
+        sv = torch.cat([wg.v_ring[ch.ring_slot][:, :n_ring], v[: ns - n_ring].transpose(0, 1)], 1)
+        cq = c - r0
+        qs = (q if q_sink is None else q_sink)[r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
+        qpos = torch.arange(start + r0, start + c, device=q.device)
+        sm = (torch.arange(ns, device=q.device)[None, :] <= (qpos - W)[:, None]).repeat(g, 1)  # [g*cq, ns]
+        o2, l2 = _attend(qs, sk[:, None], sv[:, None], sm[None, None], self.scale)
+        o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)
+        l2 = l2.view(n, g, cq).permute(2, 0, 1).reshape(cq, n * g)
+        l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c]
+        # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1)
+        w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]
+        out[r0:] += w * (o2 - out[r0:])
+        return out
+
+
+def _attend(q, k, v, mask: torch.Tensor, scale: float,
+            fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp. q: [B, H, L, D]; k, v: [B, H, S, D]; mask: bool,
+    broadcastable to [B, H, L, S], every row with at least one True.
+    Returns out [B, H, L, D] and lse [B, H, L] (float32). fused (default: on CPU) uses
+    PyTorch's fused CPU kernel, which returns the lse it computes."""
+    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
+    if q.device.type == "cpu" if fused is None else fused:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias.expand(*q.shape[:-1], k.shape[-2]), scale=scale)
+        return o, lse.float()
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v), lse
 
 
 def _ring_positions(sink: int, window: int, start: int, device=None) -> torch.Tensor:

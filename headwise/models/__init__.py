@@ -37,6 +37,20 @@ def model_name(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def checkpoint_dtype(model: str | None) -> str | None:
+    """The dtype a HF checkpoint was saved in (config.json), None for GGUF (quantized)."""
+    import json
+
+    path = resolve_model_path(model)
+    if path.is_file():
+        return None
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None  # load_model reports a missing or broken config
+    return cfg.get("torch_dtype") or cfg.get("dtype")
+
+
 def load_model(model: str | None, dtype: torch.dtype,
                device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
     from headwise.weights.gguf_loader import load_gguf
