@@ -23,9 +23,10 @@ def main() -> None:
     ap.add_argument("--out", default="bench/engine.json")
     a = ap.parse_args()
     from headwise import LLM
+    from headwise.config import dtype_name
 
     llm = LLM(head_layout="full", dtype=a.dtype, kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
-    a.dtype = str(llm.engine.dtype).removeprefix("torch.")  # what "auto" resolved to
+    a.dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to
     hf = load_hf_default(llm.engine.dtype)
     tok = llm.tokenizer
     lengths = sorted({int(x) for x in a.prefill.split(",")} | {int(x) for x in a.decode.split(",")})

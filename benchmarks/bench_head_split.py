@@ -45,14 +45,16 @@ def main() -> None:
     ap.add_argument("--out", default="bench/head_split.json")
     a = ap.parse_args()
     from headwise import LLM
+    from headwise.config import dtype_name
 
     budget = int(a.budget_gib * 2**30)
     contexts = [int(x) for x in a.contexts.split(",")]
     layouts = {"full": "full", "split": split_layout(a.layout)}
-    records, res = [], {}
+    records, res, dtype = [], {}, None
     for name, layout in layouts.items():
         llm = LLM(head_layout=layout, kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
         label = f"{name} ({llm.layout.full_fraction:.1%} full heads)"
+        dtype = dtype_name(llm.engine.dtype)
         headwise_single(llm, prompt_ids(llm.tokenizer, 512), 4)  # warm-up
         for L in contexts:
             ids = prompt_ids(llm.tokenizer, min(L, llm.engine.max_model_len - a.new_tokens - 1), salt=L)
@@ -74,7 +76,7 @@ def main() -> None:
                   flush=True)
             records.append({k: (vars(v) if isinstance(v, Stat) else v) for k, v in r.items()})
         del llm
-    lines = [f"Machine: {machine()}; KV budget {a.budget_gib:g} GiB; median [min-max] of {a.runs} runs; "
+    lines = [f"Machine: {machine()}; {dtype}; KV budget {a.budget_gib:g} GiB; median [min-max] of {a.runs} runs; "
              f"aggregate decode over {a.agg_steps} steps with the cache pre-filled to the context", "",
              "| context | layout | KV MiB/seq | TTFT s | decode tok/s (batch 1) | seqs in budget | aggregate decode tok/s |",
              "|---|---|---|---|---|---|---|"]
@@ -91,7 +93,7 @@ def main() -> None:
                      f"**{s['agg_tok_s'].median / f['agg_tok_s'].median:.2f}x** |")
     table = "\n".join(lines)
     print("\n" + table)
-    save(a.out, {"machine": machine(), "records": records}, table)
+    save(a.out, {"machine": machine(), "dtype": dtype, "records": records}, table)
 
 
 if __name__ == "__main__":

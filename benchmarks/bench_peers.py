@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import Stat, machine  # noqa: E402
-from headwise.config import DTYPE_CHOICES, EngineConfig  # noqa: E402
+from headwise.config import DTYPE_CHOICES, EngineConfig, dtype_name  # noqa: E402
 from headwise.models import checkpoint_dtype  # noqa: E402
 
 FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
@@ -148,7 +148,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                     help="headwise and transformers compute dtype (auto: as the engine picks it)")
     a = ap.parse_args(argv)
-    dtype = str(EngineConfig(dtype=a.dtype).resolve_dtype(checkpoint_dtype(a.model))).removeprefix("torch.")
+    dtype = dtype_name(EngineConfig(dtype=a.dtype).resolve_dtype(checkpoint_dtype(a.model)))
     contexts = [int(x) for x in a.contexts.split(",")]
     budget = int(a.budget_gib * 2**30)
     out = Path(a.out_dir)

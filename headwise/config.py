@@ -8,6 +8,11 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> "bfloat16" (the option's spelling)."""
+    return str(dtype).removeprefix("torch.")
 BACKENDS = ("auto", "torch", "triton")
 WINDOW_POSITIONS = ("original", "rebased")
 

@@ -124,3 +124,27 @@ def test_calibrate_cli_rejects_bad_lengths(tmp_path, capsys):
     assert rc == 2
     assert "--lengths must be comma-separated integers" in capsys.readouterr().err
     assert not (tmp_path / "l.json").exists()
+
+
+def test_select_from_stored_scores(tmp_path, capsys):
+    """`calibrate --from-scores` re-picks the top heads of a calibrated layout's stored
+    scores with another fraction and window, without running a model."""
+    from headwise.calibration import select_from_scores
+    from headwise.cli import main
+
+    scores = [[0.9, 0.1, 0.5], [0.2, 0.8, 0.3]]
+    src = HeadLayout.from_full_set("cal", (2, 3, 8), {(0, 0)}, 4, 16, model="m", scores=scores)
+    src.save(tmp_path / "cal.json")
+    out = tmp_path / "sel.json"
+    rc = main(["calibrate", "--from-scores", str(tmp_path / "cal.json"), "--full-fraction", "0.5",
+               "--sink", "2", "--window", "32", "--name", "top3", "--out", str(out)])
+    assert rc == 0 and "3 of 6" in capsys.readouterr().out
+    sel = HeadLayout.load(out)
+    full = {(l, h) for l in range(2) for h in range(3) if sel.heads[l][h].kind == "full"}
+    assert full == {(0, 0), (1, 1), (0, 2)}  # scores 0.9, 0.8, 0.5
+    assert {(s.sink, s.window) for row in sel.heads for s in row if s.kind == "window"} == {(2, 32)}
+    assert sel.name == "top3" and sel.model == "m" and sel.scores == scores
+    with pytest.raises(ValueError, match="stores no calibration scores"):
+        select_from_scores(HeadLayout.full((2, 3, 8)), 0.5)
+    with pytest.raises(ValueError, match="full_fraction"):
+        select_from_scores(src, 2.0)

@@ -1,3 +1,3 @@
-from headwise.calibration.calibrate import calibrate
+from headwise.calibration.calibrate import calibrate, select_from_scores
 
-__all__ = ["calibrate"]
+__all__ = ["calibrate", "select_from_scores"]

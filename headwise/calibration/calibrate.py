@@ -102,6 +102,26 @@ def _top(scores: torch.Tensor, k: int) -> set[tuple[int, int]]:
     return {(i // H, i % H) for i in idx}
 
 
+def _check(full_fraction: float, sink: int, window: int) -> None:
+    if not 0.0 <= full_fraction <= 1.0:
+        raise ValueError(f"full_fraction must be in [0, 1], got {full_fraction}")
+    if window < 1 or sink < 0:
+        raise ValueError(f"need window >= 1 and sink >= 0, got sink={sink}, window={window}")
+
+
+def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEFAULT_SINK,
+                       window: int = DEFAULT_WINDOW, name: str | None = None) -> HeadLayout:
+    """A layout from the per-head scores a calibrated layout stores, without running the
+    model again: the top `full_fraction` of heads full, the rest sink + window."""
+    _check(full_fraction, sink, window)
+    if scored.scores is None:
+        raise ValueError(f"layout {scored.name!r} stores no calibration scores")
+    scores = torch.tensor(scored.scores)
+    k = round(full_fraction * scores.numel())
+    return HeadLayout.from_full_set(name or f"calibrated-{full_fraction:g}-w{window}", scored.shape,
+                                    _top(scores, k), sink, window, model=scored.model, scores=scored.scores)
+
+
 def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int = DEFAULT_SINK,
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
               lengths: tuple[int, ...] = (1024, 2048, 3072), rounds: int = 2,
@@ -109,10 +129,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     """Find a layout keeping `full_fraction` of KV heads full. Deterministic for a seed."""
     from headwise import LLM
 
-    if not 0.0 <= full_fraction <= 1.0:
-        raise ValueError(f"full_fraction must be in [0, 1], got {full_fraction}")
-    if window < 1 or sink < 0:
-        raise ValueError(f"need window >= 1 and sink >= 0, got sink={sink}, window={window}")
+    _check(full_fraction, sink, window)
     torch.manual_seed(seed)
     opts = dict(kv_cache_memory=1 << 30, max_num_batched_tokens=max(lengths) + 64)
     opts.update(engine_options or {})

@@ -20,6 +20,9 @@ def add_calibrate(sub) -> None:
     p.add_argument("--lengths", default="1024,2048,3072", help="prompt lengths in tokens, comma-separated")
     p.add_argument("--rounds", type=int, default=2, help="re-scoring rounds with the split in place")
     p.add_argument("--plot", default=None, help="PNG heatmap of per-head scores (layers x heads)")
+    p.add_argument("--from-scores", default=None, metavar="LAYOUT",
+                   help="re-select from the scores stored in a calibrated layout (no model run)")
+    p.add_argument("--name", default=None, help="name written into the layout")
     p.set_defaults(func=cmd_calibrate)
 
 
@@ -34,18 +37,26 @@ def _int_list(text: str, flag: str) -> list[int]:
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
-    from headwise.calibration import calibrate
+    from headwise.calibration import calibrate, select_from_scores
 
     out = Path(args.out)
     if not out.parent.is_dir():
         raise ValueError(f"output directory {str(out.parent)!r} does not exist")
-    layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
-                       num_samples=args.samples, lengths=_int_list(args.lengths, "--lengths"),
-                       rounds=args.rounds)
+    if args.from_scores:
+        layout = select_from_scores(HeadLayout.load(args.from_scores), args.full_fraction,
+                                    args.sink, args.window, args.name)
+        how = f"selected from the scores in {args.from_scores}"
+    else:
+        layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
+                           num_samples=args.samples, lengths=_int_list(args.lengths, "--lengths"),
+                           rounds=args.rounds)
+        if args.name:
+            layout.name = args.name
+        how = f"calibrated in {layout.calibration_seconds:.0f}s"
     layout.save(out)
     print(f"wrote {out}: {layout.full_fraction:.1%} of KV heads full "
           f"({sum(layout.num_full(l) for l in range(layout.num_layers))} of "
-          f"{layout.num_layers * layout.num_kv_heads}), calibrated in {layout.calibration_seconds:.0f}s")
+          f"{layout.num_layers * layout.num_kv_heads}), {how}")
     if args.plot:
         plot_scores(layout, args.plot)
         print(f"wrote {args.plot}")

@@ -251,23 +251,22 @@ def _ring_positions(sink: int, window: int, start: int, device=None) -> torch.Te
 
 
 def _paged_decode(q, kc, vc, runs, scale) -> torch.Tensor:
-    # q: [B, nf*g, D]; kc, vc: [nf, slots, D]. Each sequence attends over its runs of
-    # contiguous slots as views of the pool (no gather); its g query heads per KV head
-    # form the query axis of one matmul.
+    # q: [B, nf*g, D]; kc, vc: [nf, slots, D]. A sequence whose slots form one run attends
+    # over a view of the pool (no copy); scattered runs are concatenated first. Its g query
+    # heads per KV head are the query rows of one fused SDPA call (in bfloat16 ~3x faster
+    # on CPU than matmul + softmax + matmul).
     B, H, D = q.shape
     nf = kc.shape[0]
     out = torch.empty_like(q)
     for i in range(B):
-        qi = q[i].view(nf, H // nf, D)  # [nf, g, D]
         r = runs[i]
-        s = torch.cat([torch.matmul(qi, kc[:, a:a + n].transpose(1, 2)) for a, n in r], -1) if len(r) > 1 \
-            else torch.matmul(qi, kc[:, r[0][0]:r[0][0] + r[0][1]].transpose(1, 2))  # [nf, g, L]
-        p = torch.softmax(s.float() * scale, dim=-1).to(vc.dtype)
-        o, off = None, 0
-        for a, n in r:
-            part = torch.matmul(p[..., off:off + n], vc[:, a:a + n])  # [nf, g, D]
-            o = part if o is None else o + part
-            off += n
+        if len(r) == 1:
+            a, n = r[0]
+            k, v = kc[:, a:a + n], vc[:, a:a + n]  # [nf, L, D]
+        else:
+            k = torch.cat([kc[:, a:a + n] for a, n in r], 1)
+            v = torch.cat([vc[:, a:a + n] for a, n in r], 1)
+        o = F.scaled_dot_product_attention(q[i].view(1, nf, H // nf, D), k[None], v[None], scale=scale)
         out[i] = o.view(H, D)
     return out
 
