@@ -11,6 +11,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import Stat, hf_single, headwise_single, load_hf_default, machine, prompt_ids, save  # noqa: E402
+from headwise.config import DTYPE_CHOICES, dtype_name  # noqa: E402
 
 
 def main() -> None:
@@ -19,11 +20,10 @@ def main() -> None:
     ap.add_argument("--prefill", default="1024,4096,8192")
     ap.add_argument("--decode", default="1024,4096")
     ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES))
     ap.add_argument("--out", default="bench/engine.json")
     a = ap.parse_args()
     from headwise import LLM
-    from headwise.config import dtype_name
 
     llm = LLM(head_layout="full", dtype=a.dtype, kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
     a.dtype = dtype_name(llm.engine.dtype)  # what "auto" resolved to

@@ -6,6 +6,7 @@ import time
 import torch
 
 from benchmarks.common import headwise_aggregate, headwise_single, hf_single, prompt_ids
+from headwise.config import DTYPES
 
 
 class Skip(Exception):
@@ -65,7 +66,7 @@ class TransformersSystem:
         from headwise.tokenizer import Tokenizer
 
         p = resolve_model_path(model)
-        dt = getattr(torch, dtype)
+        dt = DTYPES[dtype]
         if p.is_file():
             self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt)
             self.tok = Tokenizer.from_path(p.parent, p.name)

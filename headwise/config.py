@@ -8,13 +8,13 @@ import torch
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
+BACKENDS = ("auto", "torch", "triton")
+WINDOW_POSITIONS = ("original", "rebased")
 
 
 def dtype_name(dtype: torch.dtype) -> str:
     """torch.bfloat16 -> "bfloat16" (the option's spelling)."""
     return str(dtype).removeprefix("torch.")
-BACKENDS = ("auto", "torch", "triton")
-WINDOW_POSITIONS = ("original", "rebased")
 
 
 class ConfigError(ValueError):

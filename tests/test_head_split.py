@@ -272,6 +272,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monk
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
     qs = None if q_sink is None else q_sink[start:]
     got = att._window_prefill(wg, ch, q[start:], k[start:], v[start:], qs)
+    assert list(ch.window_biases) == [(sink, window, g, q.dtype)]  # built once per chunk
 
     i = torch.arange(start, T)[:, None]
     j = torch.arange(T)[None, :]
@@ -287,13 +288,13 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monk
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_attend_returns_log_sum_exp(fused):
-    from headwise.layers.attention import _attend
+    from headwise.layers.attention import _attend, _bias
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)
     mask = torch.rand(1, 1, 5, 7) > 0.4
     mask[..., 0] = True
-    o, lse = _attend(q, k, v, mask, 0.3, fused=fused)
+    o, lse = _attend(q, k, v, _bias(mask, q.dtype), 0.3, fused=fused)
     s = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~mask, float("-inf"))
     assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-5)
     assert torch.allclose(o, torch.softmax(s, -1) @ v, atol=1e-5)

@@ -188,31 +188,25 @@ class HeadSplitAttention(nn.Module):
         # GQA without copying keys: a block's g query heads of one KV head are its rows.
         qb = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - c)).view(nb, Bq, n, g, D)
         qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
-        rel = torch.arange(S, device=q.device)[None, :] - torch.arange(Bq, device=q.device)[:, None]
-        band = ((rel > 0) & (rel <= W)).repeat(g, 1)  # [g*Bq, S]: key j sees row i iff i < j <= i + W
-        # Blocks reaching before position 0 also mask their padding keys.
-        nh = min(nb, max(0, -(-(W - start) // Bq)))
+        head_bias, band_bias, sink_bias = _window_biases(ch, sink, W, g, q.dtype, q.device)
+        nh = head_bias.shape[1]  # blocks reaching before position 0 (their padding masked)
         o = q.new_empty(n, nb, g * Bq, D)
         lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
         if nh:
-            kpos = start - W + torch.arange(nh, device=q.device)[:, None] * Bq + torch.arange(S, device=q.device)
-            m = band[None] & (kpos >= 0)[:, None, :]  # [nh, g*Bq, S]
-            o[:, :nh], lse[:, :nh] = _attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], m[None], self.scale)
+            o[:, :nh], lse[:, :nh] = _attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], head_bias, self.scale)
         if nh < nb:
-            o[:, nh:], lse[:, nh:] = _attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], band[None, None], self.scale)
+            o[:, nh:], lse[:, nh:] = _attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], band_bias, self.scale)
         out = o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c]
-        r0 = max(0, W - start)  # first query row with p - W >= 0: it sees sink 0 outside its band
-        ns = min(sink, start + c - W)  # sinks some query of the chunk sees outside its band
-        if r0 >= c or ns <= 0:
+        if sink_bias is None:  # no query of the chunk sees a sink outside its band
             return out
+        ns = sink_bias.shape[-1]
+        cq = sink_bias.shape[-2] // g
+        r0 = c - cq  # first query row with p - W >= 0: it sees sink 0 outside its band
         n_ring = min(ns, start)
         sk = torch.cat([wg.k_ring[ch.ring_slot][:, :n_ring], k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
         sv = torch.cat([wg.v_ring[ch.ring_slot][:, :n_ring], v[: ns - n_ring].transpose(0, 1)], 1)
-        cq = c - r0
         qs = (q if q_sink is None else q_sink)[r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
-        qpos = torch.arange(start + r0, start + c, device=q.device)
-        sm = (torch.arange(ns, device=q.device)[None, :] <= (qpos - W)[:, None]).repeat(g, 1)  # [g*cq, ns]
-        o2, l2 = _attend(qs, sk[:, None], sv[:, None], sm[None, None], self.scale)
+        o2, l2 = _attend(qs, sk[:, None], sv[:, None], sink_bias, self.scale)
         o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)
         l2 = l2.view(n, g, cq).permute(2, 0, 1).reshape(cq, n * g)
         l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c]
@@ -222,13 +216,43 @@ class HeadSplitAttention(nn.Module):
         return out
 
 
-def _attend(q, k, v, mask: torch.Tensor, scale: float,
+def _window_biases(ch: PrefillChunk, sink: int, W: int, g: int, dtype, device):
+    """The additive masks of a chunk's window prefill, the same in every layer, so built
+    once per chunk: (head blocks [1, nh, g*Bq, S], other blocks [1, 1, g*Bq, S], sinks
+    [1, 1, g*cq, ns] or None). Rows are (query head, query) pairs of one KV head."""
+    key = (sink, W, g, dtype)
+    if key not in ch.window_biases:
+        c, start = ch.length, ch.start
+        Bq = min(WINDOW_QUERY_BLOCK, c)
+        nb = -(-c // Bq)
+        S = W + Bq
+        rel = torch.arange(S, device=device)[None, :] - torch.arange(Bq, device=device)[:, None]
+        band = ((rel > 0) & (rel <= W)).repeat(g, 1)  # [g*Bq, S]: key j sees row i iff i < j <= i + W
+        nh = min(nb, max(0, -(-(W - start) // Bq)))
+        kpos = start - W + torch.arange(nh, device=device)[:, None] * Bq + torch.arange(S, device=device)
+        head = band[None] & (kpos >= 0)[:, None, :]  # [nh, g*Bq, S]
+        r0 = max(0, W - start)  # first query row with p - W >= 0
+        ns = min(sink, start + c - W)  # sinks some query of the chunk sees outside its band
+        sinks = None
+        if r0 < c and ns > 0:
+            qpos = torch.arange(start + r0, start + c, device=device)
+            sm = (torch.arange(ns, device=device)[None, :] <= (qpos - W)[:, None]).repeat(g, 1)
+            sinks = _bias(sm[None, None], dtype)
+        ch.window_biases[key] = (_bias(head[None], dtype), _bias(band[None, None], dtype), sinks)
+    return ch.window_biases[key]
+
+
+def _bias(mask: torch.Tensor, dtype) -> torch.Tensor:
+    """Bool mask -> additive bias (0 where allowed, -inf elsewhere)."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def _attend(q, k, v, bias: torch.Tensor, scale: float,
             fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention with its log-sum-exp. q: [B, H, L, D]; k, v: [B, H, S, D]; mask: bool,
-    broadcastable to [B, H, L, S], every row with at least one True.
+    """Attention with its log-sum-exp. q: [B, H, L, D]; k, v: [B, H, S, D]; bias: additive
+    (see _bias), broadcastable to [B, H, L, S], every row with a finite entry.
     Returns out [B, H, L, D] and lse [B, H, L] (float32). fused (default: on CPU) uses
     PyTorch's fused CPU kernel, which returns the lse it computes."""
-    bias = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill_(~mask, float("-inf"))
     if q.device.type == "cpu" if fused is None else fused:
         o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             q, k, v, attn_mask=bias.expand(*q.shape[:-1], k.shape[-2]), scale=scale)

@@ -19,6 +19,9 @@ class PrefillChunk:
                            # else of the chunk only
     ring_slot: int         # the sequence's slot in the window-head ring pool
     block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
+    # Window-head attention biases of this chunk, built by the first layer that needs them
+    # and reused by the rest (keyed by sink, window, group size, dtype).
+    window_biases: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -46,7 +46,6 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-
     def shift_back(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x [T, H, D], already rotated to positions p, rotated to positions p - delta[T]."""
         cos = self.cos[delta].unsqueeze(1)
