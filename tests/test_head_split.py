@@ -30,7 +30,7 @@ def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False) -> t
     model, layout = llm.engine.model, llm.engine.layout
     cfg = model.config
     T = len(ids)
-    dev = model.lm_head.weight.device
+    dev = model.model.embed_tokens.weight.device
     pos = torch.arange(T, device=dev)
     i, j = pos[:, None], pos[None, :]
     x = model.model.embed_tokens(torch.tensor(ids, device=dev))
@@ -243,13 +243,14 @@ def test_slot_runs_follow_block_table():
 
 
 @pytest.mark.parametrize("sink, window, start, c", [
-    (4, 8, 0, 37), (4, 8, 2, 30), (4, 8, 6, 30), (4, 8, 11, 23), (4, 8, 40, 17),
+    (4, 8, 0, 37), (4, 8, 0, 12), (4, 8, 0, 13), (4, 8, 0, 17), (4, 8, 2, 30), (4, 8, 6, 30), (4, 8, 11, 23), (4, 8, 40, 17),
     (0, 8, 0, 29), (0, 8, 19, 9), (3, 1, 0, 12), (3, 1, 9, 5), (6, 16, 0, 5), (6, 16, 50, 1),
 ])
 @pytest.mark.parametrize("rebased", [False, True])
 def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monkeypatch):
-    """The band + sink window prefill over many query blocks (block size 4), with earlier
-    context read from the ring, against a dense masked softmax over every position."""
+    """The window prefill (causal prefix of a first chunk, then band + sinks over many
+    query blocks of size 4, earlier context read from the ring) against a dense masked
+    softmax over every position."""
     import headwise.layers.attention as A
     from headwise.layers.context import PrefillChunk
 
@@ -272,7 +273,9 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monk
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
     qs = None if q_sink is None else q_sink[start:]
     got = att._window_prefill(wg, ch, q[start:], k[start:], v[start:], qs)
-    assert list(ch.window_biases) == [(sink, window, g, q.dtype)]  # built once per chunk
+    # built once per chunk; none when every row is in the causal prefix
+    causal_only = start == 0 and c <= sink + window
+    assert list(ch.window_biases) == ([] if causal_only else [(sink, window, g, q.dtype)])
 
     i = torch.arange(start, T)[:, None]
     j = torch.arange(T)[None, :]

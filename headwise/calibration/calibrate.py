@@ -73,7 +73,7 @@ def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progres
     attn_layers = eng.model.attention_layers()
     probes = []
     for l, (layer, attn) in enumerate(zip(eng.model.model.layers, attn_layers)):
-        p = _Probe(l, layer.self_attn.o_proj.weight.detach(), eng.layout.head_order(l),
+        p = _Probe(l, layer.self_attn.o_proj.dense_weight(), eng.layout.head_order(l),
                    cfg.group_size, sink, window)
         attn.observer = p
         probes.append(p)

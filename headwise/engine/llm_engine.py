@@ -42,6 +42,7 @@ class LLMEngine:
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
                                      default=_shipped_layout(mcfg.name, shape))
         permute_model_heads(self.model, self.layout)
+        self.model.pack_weights()  # after the permutation, which edits the plain weights
         if config.window_positions == "rebased":
             for layer in self.model.model.layers:
                 layer.self_attn.attn.sink_rotary = layer.self_attn.rotary

@@ -162,31 +162,47 @@ class HeadSplitAttention(nn.Module):
 
     def _window_prefill(self, wg: WindowGroup, ch: PrefillChunk, q, k, v,
                         q_sink: torch.Tensor | None = None) -> torch.Tensor:
-        # q: [c, n*g, D]; k, v: [c, n, D] -> [c, n*g, D]. Query p sees two disjoint key
-        # sets, attended separately and merged by their log-sum-exp:
+        # q: [c, n*g, D]; k, v: [c, n, D] -> [c, n*g, D].
+        # A prompt's first sink + W positions see every earlier token, so those rows (q0 of
+        # them) are plain causal attention, computed as such (no band overlap, no masks).
+        # Every later query p sees two disjoint key sets, attended separately and merged
+        # by their log-sum-exp:
         #   band: positions (p - W, p], read as overlapping strided views (no gather);
         #   sinks: positions s < sink with s <= p - W (the sinks the band has left).
         c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
         n, D = k.shape[1], k.shape[2]
         g = q.shape[1] // n
-        Bq = min(WINDOW_QUERY_BLOCK, c)
-        nb = -(-c // Bq)
-        S = W + Bq  # keys of block b: positions start + b*Bq - W + [0, S)
-        # Keys of positions [start - W, start + nb*Bq), zero where no token exists.
+        q0 = _causal_rows(ch, sink, W)
+        out = q.new_empty(q.shape)
+        if q0:
+            o = F.scaled_dot_product_attention(
+                q[:q0].transpose(0, 1)[None], k[:q0].transpose(0, 1)[None], v[:q0].transpose(0, 1)[None],
+                is_causal=True, scale=self.scale, enable_gqa=True)  # [1, n*g, q0, D]
+            out[:q0] = o[0].transpose(0, 1)
+            if q0 == c:
+                return out
+        # Band rows: positions [s2, s2 + c2) of the chunk's rows [q0, c).
+        s2, c2 = start + q0, c - q0
+        Bq = min(WINDOW_QUERY_BLOCK, c2)
+        nb = -(-c2 // Bq)
+        S = W + Bq  # keys of block b: positions s2 + b*Bq - W + [0, S)
+        # Keys of positions [base, s2 + nb*Bq), base = s2 - W; zero where no token exists.
+        base = s2 - W
         kp = k.new_zeros(n, W + nb * Bq, D)
         vp = v.new_zeros(n, W + nb * Bq, D)
-        lo = max(0, start - W)
+        lo = max(0, base)
         if lo < start:  # earlier context: the ring holds every position in [lo, start)
             ridx = wg.ring_index(torch.arange(lo, start, device=q.device))
-            kp[:, W - start + lo:W] = wg.k_ring[ch.ring_slot][:, ridx]
-            vp[:, W - start + lo:W] = wg.v_ring[ch.ring_slot][:, ridx]
-        kp[:, W:W + c] = k.transpose(0, 1)
-        vp[:, W:W + c] = v.transpose(0, 1)
+            kp[:, lo - base:start - base] = wg.k_ring[ch.ring_slot][:, ridx]
+            vp[:, lo - base:start - base] = wg.v_ring[ch.ring_slot][:, ridx]
+        a = max(lo, start)  # first position read from the chunk itself
+        kp[:, a - base:start + c - base] = k[a - start:].transpose(0, 1)
+        vp[:, a - base:start + c - base] = v[a - start:].transpose(0, 1)
         sn, st, sd = kp.stride()
         kb = kp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))  # [n, nb, S, D] overlapping
         vb = vp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))
         # GQA without copying keys: a block's g query heads of one KV head are its rows.
-        qb = F.pad(q, (0, 0, 0, 0, 0, nb * Bq - c)).view(nb, Bq, n, g, D)
+        qb = F.pad(q[q0:], (0, 0, 0, 0, 0, nb * Bq - c2)).view(nb, Bq, n, g, D)
         qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
         head_bias, band_bias, sink_bias = _window_biases(ch, sink, W, g, q.dtype, q.device)
         nh = head_bias.shape[1]  # blocks reaching before position 0 (their padding masked)
@@ -196,33 +212,42 @@ class HeadSplitAttention(nn.Module):
             o[:, :nh], lse[:, :nh] = _attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], head_bias, self.scale)
         if nh < nb:
             o[:, nh:], lse[:, nh:] = _attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], band_bias, self.scale)
-        out = o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c]
-        if sink_bias is None:  # no query of the chunk sees a sink outside its band
+        band = out[q0:]
+        band.copy_(o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c2])
+        if sink_bias is None:  # no band row sees a sink outside its band
             return out
         ns = sink_bias.shape[-1]
         cq = sink_bias.shape[-2] // g
-        r0 = c - cq  # first query row with p - W >= 0: it sees sink 0 outside its band
-        n_ring = min(ns, start)
+        r0 = c2 - cq  # first band row with p - W >= 0: it sees sink 0 outside its band
+        n_ring = min(ns, start)  # sinks before the chunk are in the ring, the rest in k
         sk = torch.cat([wg.k_ring[ch.ring_slot][:, :n_ring], k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
         sv = torch.cat([wg.v_ring[ch.ring_slot][:, :n_ring], v[: ns - n_ring].transpose(0, 1)], 1)
-        qs = (q if q_sink is None else q_sink)[r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
+        qs = (q if q_sink is None else q_sink)[q0 + r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
         o2, l2 = _attend(qs, sk[:, None], sv[:, None], sink_bias, self.scale)
         o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)
         l2 = l2.view(n, g, cq).permute(2, 0, 1).reshape(cq, n * g)
-        l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c]
+        l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c2]
         # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1)
         w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]
-        out[r0:] += w * (o2 - out[r0:])
+        band[r0:] += w * (o2 - band[r0:])
         return out
 
 
+def _causal_rows(ch: PrefillChunk, sink: int, W: int) -> int:
+    """Leading rows of a chunk whose window covers every earlier token (positions below
+    sink + W). Taken only for a sequence's first chunk, whose earlier context is empty."""
+    return min(ch.length, sink + W) if ch.start == 0 else 0
+
+
 def _window_biases(ch: PrefillChunk, sink: int, W: int, g: int, dtype, device):
-    """The additive masks of a chunk's window prefill, the same in every layer, so built
-    once per chunk: (head blocks [1, nh, g*Bq, S], other blocks [1, 1, g*Bq, S], sinks
-    [1, 1, g*cq, ns] or None). Rows are (query head, query) pairs of one KV head."""
+    """The additive masks of a chunk's band rows (see _window_prefill), the same in every
+    layer, so built once per chunk: (head blocks [1, nh, g*Bq, S], other blocks
+    [1, 1, g*Bq, S], sinks [1, 1, g*cq, ns] or None). Rows are (query head, query) pairs
+    of one KV head."""
     key = (sink, W, g, dtype)
     if key not in ch.window_biases:
-        c, start = ch.length, ch.start
+        q0 = _causal_rows(ch, sink, W)
+        c, start = ch.length - q0, ch.start + q0
         Bq = min(WINDOW_QUERY_BLOCK, c)
         nb = -(-c // Bq)
         S = W + Bq

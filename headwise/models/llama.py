@@ -5,10 +5,10 @@ The model owns no cache memory: attention reads the views bound by the cache man
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
+from headwise.layers.linear import Linear
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig
@@ -19,10 +19,10 @@ class SelfAttention(nn.Module):
         super().__init__()
         D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         bias = cfg.attention_bias
-        self.q_proj = nn.Linear(cfg.hidden_size, H * D, bias=bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, Hkv * D, bias=bias)
-        self.o_proj = nn.Linear(H * D, cfg.hidden_size, bias=False)
+        self.q_proj = Linear(cfg.hidden_size, H * D, bias=bias)
+        self.k_proj = Linear(cfg.hidden_size, Hkv * D, bias=bias)
+        self.v_proj = Linear(cfg.hidden_size, Hkv * D, bias=bias)
+        self.o_proj = Linear(H * D, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
@@ -46,12 +46,13 @@ class SelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # down(silu(gate(x)) * up(x)); SiLU and the product run inside the matmuls when packed.
+        return self.down_proj(self.up_proj.times(x, self.gate_proj(x, act="silu")))
 
 
 class DecoderLayer(nn.Module):
@@ -82,9 +83,14 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.model = Backbone(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def pack_weights(self) -> int:
+        """Prepack every linear weight for the CPU's matmul library (see layers.linear);
+        call once the model has its final device and dtype. Returns how many were packed."""
+        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
 
     def attention_layers(self) -> list[HeadSplitAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
