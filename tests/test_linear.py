@@ -46,3 +46,68 @@ def test_engine_packs_cpu_weights(tiny_models):
     lins = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
     if can_pack(llm.engine.model.model.embed_tokens.weight):
         assert lins and all(m.packed is not None and m.weight is None for m in lins)
+
+
+def _q4_1_weight(N: int, K: int, seed: int = 0):
+    """A weight as llama.cpp's Q4_1 stores it: per group of 32 inputs, codes 0..15 (the
+    group's minimum coded 0, its maximum 15) with a float16 scale d and minimum m."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, K // 32, 32), generator=g)
+    codes[..., 0], codes[..., 1] = 0, 15
+    d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
+    m = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
+    return (codes * d + m).view(N, K), codes.view(N, K), d.view(N, -1), m.view(N, -1)
+
+
+def test_exact_int4_recovers_q4_1_and_rejects_other_weights():
+    from headwise.layers.linear import exact_int4
+
+    w, codes, d, m = _q4_1_weight(32, 64)
+    got = exact_int4(w)
+    assert got is not None
+    assert torch.equal(got[0], codes.to(torch.int32)) and torch.equal(got[2], m)
+    assert torch.allclose(got[1], d, rtol=1e-6)
+    assert exact_int4(torch.randn(32, 64)) is None            # not on a 16-level grid
+    assert exact_int4(w.bfloat16()) is None                    # only float32 is exact
+    assert exact_int4(_q4_1_weight(8, 64)[0]) is None          # the kernel needs N % 16 == 0
+    off = w.clone()
+    off[3, 5] += 1e-4                                          # one value off the grid
+    assert exact_int4(off) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int4_copy_serves_small_calls_only(dtype):
+    from headwise.layers.linear import INT4_MAX_ROWS
+
+    w = _q4_1_weight(48, 64, seed=1)[0]
+    lin = Linear(64, 48, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+        lin.bias.normal_()
+    b = lin.bias.detach().clone()
+    assert lin.find_int4()
+    lin.to(dtype)
+    assert lin.pack() and lin.int4 is not None
+    tol = 1e-4 if dtype == torch.float32 else 6e-2
+    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40):
+        x = torch.randn(rows, 64).to(dtype)
+        other = torch.randn(rows, 48).to(dtype)
+        ref = F.linear(x.float(), w, b)
+        assert (lin(x).float() - ref).abs().max().item() < tol
+        assert (lin(x, act="silu").float() - F.silu(ref)).abs().max().item() < tol
+        assert (lin.times(x, other).float() - ref * other.float()).abs().max().item() < 2 * tol
+    # Which calls read the 4-bit copy: spoil it, and only those of <= INT4_MAX_ROWS rows change.
+    small, large = torch.randn(INT4_MAX_ROWS, 64).to(dtype), torch.randn(INT4_MAX_ROWS + 1, 64).to(dtype)
+    before = lin(small), lin(large)
+    lin.int4 = (lin.int4[0], torch.zeros_like(lin.int4[1]))
+    assert not torch.equal(lin(small), before[0]) and torch.equal(lin(large), before[1])
+
+
+def test_default_model_decodes_with_its_4bit_weights(default_llm):
+    """The shipped GGUF is Q4_1 for every projection (Q8_0 embedding, tied to the head)."""
+    model = default_llm.engine.model
+    for layer in model.model.layers:
+        for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
+                    layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
+            assert lin.int4 is not None
+    assert model.lm_head.int4 is None

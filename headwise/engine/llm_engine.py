@@ -34,7 +34,9 @@ class LLMEngine:
             self.dtype = next(self.model.parameters()).dtype
         else:
             self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
-            self.model, self.tokenizer = load_model(config.model, self.dtype, config.torch_device)
+            # Loaded as float32 and cast below, after the 4-bit weights are recognised
+            # (exactly only before rounding to 16 bits).
+            self.model, self.tokenizer = load_model(config.model, torch.float32, config.torch_device)
         mcfg = self.model.config
         self.model_config = mcfg
         self.model_name = mcfg.name
@@ -42,7 +44,7 @@ class LLMEngine:
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
                                      default=_shipped_layout(mcfg.name, shape))
         permute_model_heads(self.model, self.layout)
-        self.model.pack_weights()  # after the permutation, which edits the plain weights
+        self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
         if config.window_positions == "rebased":
             for layer in self.model.model.layers:
                 layer.self_attn.attn.sink_rotary = layer.self_attn.rotary

@@ -87,10 +87,16 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def pack_weights(self) -> int:
-        """Prepack every linear weight for the CPU's matmul library (see layers.linear);
-        call once the model has its final device and dtype. Returns how many were packed."""
-        return sum(m.pack() for m in self.modules() if isinstance(m, Linear))
+    def prepare_weights(self, dtype: torch.dtype) -> None:
+        """Cast to the compute dtype and prepack the linear weights for the CPU (see
+        layers.linear). 4-bit weights are recognised first, while float32 holds them
+        exactly. Call once, on the final device, after any edit of the plain weights."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.find_int4()
+        self.to(dtype)
+        for m in linears:
+            m.pack()
 
     def attention_layers(self) -> list[HeadSplitAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
