@@ -326,6 +326,14 @@ def _ring_decode(q, wg: WindowGroup, slots, lens, scale, q_sink=None) -> torch.T
     # q_sink: the query for the sink entries under re-based positions (else None).
     B, H, D = q.shape
     S, n, R, _ = wg.k_ring.shape
+    if q_sink is None and B <= 2 and bool((lens >= R).all()):
+        # One or two sequences whose rings are full (no mask): fused SDPA on each ring in
+        # place, 2.6x faster at one sequence (bfloat16, R = 576); slower from ~8.
+        out = torch.empty_like(q)
+        for i, s in enumerate(slots.tolist()):
+            out[i] = F.scaled_dot_product_attention(
+                q[i].view(1, n, H // n, D), wg.k_ring[s:s + 1], wg.v_ring[s:s + 1], scale=scale).view(H, D)
+        return out
     qs = q_sink
     if 2 * B >= S:
         qa = q.new_zeros(S, H, D)
