@@ -1,0 +1,91 @@
+"""The default model's 210 projection matmuls (7 per layer x 30 layers, real weights),
+one pass over all of them per measurement, at several row counts, three ways:
+plain F.linear on the plain weight, the weight prepacked for oneDNN, and the 4-bit copy
+(PyTorch's int4 CPU matmul on the GGUF's Q4_1 codes). Decode at batch B is B rows;
+a prefill chunk is its token count.
+
+    python benchmarks/bench_linear.py [--rows 1,4,16,64,1024] [--dtype auto] [--runs 5]
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from benchmarks.common import Stat, machine, save  # noqa: E402
+
+
+def load_linears(dtype: torch.dtype):
+    """(plain weight, packed Linear) for every projection of every layer."""
+    from headwise.layers.linear import Linear
+    from headwise.models import load_model
+
+    model, _ = load_model(None, torch.float32)
+    lins = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
+    plain = [m.weight.detach().to(dtype) for m in lins]
+    model.prepare_weights(dtype)
+    return plain, lins
+
+
+def time_pass(fn, runs: int) -> Stat:
+    fn()  # warm-up
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return Stat.of(times)
+
+
+def main() -> None:
+    from headwise.config import DTYPE_CHOICES, EngineConfig
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rows", default="1,4,16,64,1024")
+    ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--out", default="bench/linear.json")
+    args = ap.parse_args()
+    dtype = EngineConfig(dtype=args.dtype).resolve_dtype(None)
+    plain, lins = load_linears(dtype)
+    n4 = sum(m.int4 is not None for m in lins)
+    head = (f"Machine: {machine()}; {dtype}; {len(lins)} linears ({n4} with a 4-bit copy); "
+            f"ms per pass over all of them, median [min-max] of {args.runs}")
+    lines = [head, "", "| rows | plain F.linear | prepacked | 4-bit | plain / prepacked | plain / 4-bit |",
+             "|---|---|---|---|---|---|"]
+    records = []
+    for rows in (int(r) for r in args.rows.split(",")):
+        xs = {k: torch.randn(rows, k, dtype=dtype) for k in {w.shape[1] for w in plain}}
+
+        def run_plain():
+            for w in plain:
+                F.linear(xs[w.shape[1]], w)
+
+        def run_packed():
+            for m in lins:
+                torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, m.bias, "none", [], "")
+
+        def run_int4():
+            for m in lins:
+                m._int4_mm(xs[m.in_features])
+
+        a, b = time_pass(run_plain, args.runs), time_pass(run_packed, args.runs)
+        c = time_pass(run_int4, args.runs) if n4 == len(lins) else None
+        records.append({"rows": rows, "plain_ms": a.median, "packed_ms": b.median,
+                        "int4_ms": None if c is None else c.median})
+        lines.append(f"| {rows} | {a.fmt()} | {b.fmt()} | {'-' if c is None else c.fmt()} | "
+                     f"{a.median / b.median:.2f}x | {'-' if c is None else f'{a.median / c.median:.2f}x'} |")
+        print(lines[-1], flush=True)
+    table = "\n".join(lines)
+    print("\n" + table)
+    save(args.out, {"machine": machine(), "dtype": str(dtype), "records": records}, table)
+
+
+if __name__ == "__main__":
+    main()
