@@ -2,7 +2,9 @@
 one pass over all of them per measurement, at several row counts, three ways:
 plain F.linear on the plain weight, the weight prepacked for oneDNN, and the 4-bit copy
 (PyTorch's int4 CPU matmul on the GGUF's Q4_1 codes). Decode at batch B is B rows;
-a prefill chunk is its token count.
+a prefill chunk is its token count. A second table times the 30 MLPs,
+down(silu(gate(x)) * up(x)), spelled out with F.linear against headwise's MLP (prepacked,
+SiLU and the product inside the matmuls; the 4-bit copy where rows <= 8).
 
     python benchmarks/bench_linear.py [--rows 1,4,16,64,1024] [--dtype auto] [--runs 5]
 """
@@ -22,15 +24,17 @@ from benchmarks.common import Stat, machine, save  # noqa: E402
 
 
 def load_linears(dtype: torch.dtype):
-    """(plain weight, packed Linear) for every projection of every layer."""
+    """(plain weights, prepared Linears, prepared MLPs, plain MLP weights (gate, up, down))."""
     from headwise.layers.linear import Linear
     from headwise.models import load_model
 
     model, _ = load_model(None, torch.float32)
     lins = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]
     plain = [m.weight.detach().to(dtype) for m in lins]
+    mlps = [layer.mlp for layer in model.model.layers]
+    plain_mlps = [tuple(p.weight.detach().to(dtype) for p in (m.gate_proj, m.up_proj, m.down_proj)) for m in mlps]
     model.prepare_weights(dtype)
-    return plain, lins
+    return plain, lins, mlps, plain_mlps
 
 
 def time_pass(fn, runs: int) -> Stat:
@@ -43,7 +47,7 @@ def time_pass(fn, runs: int) -> Stat:
     return Stat.of(times)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     from headwise.config import DTYPE_CHOICES, EngineConfig
 
     ap = argparse.ArgumentParser()
@@ -51,9 +55,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--out", default="bench/linear.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     dtype = EngineConfig(dtype=args.dtype).resolve_dtype(None)
-    plain, lins = load_linears(dtype)
+    plain, lins, mlps, plain_mlps = load_linears(dtype)
     n4 = sum(m.int4 is not None for m in lins)
     head = (f"Machine: {machine()}; {dtype}; {len(lins)} linears ({n4} with a 4-bit copy); "
             f"ms per pass over all of them, median [min-max] of {args.runs}")
@@ -82,10 +86,27 @@ def main() -> None:
         lines.append(f"| {rows} | {a.fmt()} | {b.fmt()} | {'-' if c is None else c.fmt()} | "
                      f"{a.median / b.median:.2f}x | {'-' if c is None else f'{a.median / c.median:.2f}x'} |")
         print(lines[-1], flush=True)
+    lines += ["", "| rows | MLPs, plain | MLPs, headwise | speed-up |", "|---|---|---|---|"]
+    for rows in (int(r) for r in args.rows.split(",")):
+        x = torch.randn(rows, mlps[0].gate_proj.in_features, dtype=dtype)
+
+        def run_plain_mlp():
+            for g, u, d in plain_mlps:
+                F.linear(F.silu(F.linear(x, g)) * F.linear(x, u), d)
+
+        def run_mlp():
+            for m in mlps:
+                m(x)
+
+        a, b = time_pass(run_plain_mlp, args.runs), time_pass(run_mlp, args.runs)
+        records.append({"rows": rows, "mlp_plain_ms": a.median, "mlp_headwise_ms": b.median})
+        lines.append(f"| {rows} | {a.fmt()} | {b.fmt()} | {a.median / b.median:.2f}x |")
+        print(lines[-1], flush=True)
     table = "\n".join(lines)
     print("\n" + table)
     save(args.out, {"machine": machine(), "dtype": str(dtype), "records": records}, table)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

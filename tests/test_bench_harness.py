@@ -69,3 +69,19 @@ def test_gpu_benchmark_refuses_cuda_without_gpu(capsys):
 
     assert gpu.main(["--device", "cuda"]) == 2
     assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_linear_benchmark_harness(tmp_path):
+    """benchmarks/bench_linear.py on the default model, one short run: every projection has
+    its 4-bit copy, every row count gets all three timings and the MLP pair."""
+    from benchmarks import bench_linear
+
+    out = tmp_path / "linear.json"
+    assert bench_linear.main(["--rows", "1,9", "--runs", "1", "--dtype", "float32", "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert "210 with a 4-bit copy" in out.with_suffix(".md").read_text()
+    lin = [r for r in res["records"] if "plain_ms" in r]
+    mlp = [r for r in res["records"] if "mlp_plain_ms" in r]
+    assert [r["rows"] for r in lin] == [1, 9] == [r["rows"] for r in mlp]
+    assert all(r["plain_ms"] > 0 and r["packed_ms"] > 0 and r["int4_ms"] > 0 for r in lin)
+    assert all(r["mlp_plain_ms"] > 0 and r["mlp_headwise_ms"] > 0 for r in mlp)
