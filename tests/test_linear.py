@@ -111,3 +111,4 @@ def test_default_model_decodes_with_its_4bit_weights(default_llm):
                     layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
             assert lin.int4 is not None
     assert model.lm_head.int4 is None
+

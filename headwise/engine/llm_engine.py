@@ -12,7 +12,7 @@ from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.sequence import Sequence
-from headwise.models import checkpoint_dtype, load_model
+from headwise.models import checkpoint_dtype, load_model, release_freed_heap
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
 
@@ -45,6 +45,7 @@ class LLMEngine:
                                      default=_shipped_layout(mcfg.name, shape))
         permute_model_heads(self.model, self.layout)
         self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+        release_freed_heap()  # before the KV pools are allocated
         if config.window_positions == "rebased":
             for layer in self.model.model.layers:
                 layer.self_attn.attn.sink_rotary = layer.self_attn.rotary

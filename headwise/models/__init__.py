@@ -1,6 +1,8 @@
 """Model loading: a GGUF file or a HF directory -> (CausalLM, Tokenizer)."""
 from __future__ import annotations
 
+import ctypes
+import gc
 from pathlib import Path
 
 import torch
@@ -83,6 +85,21 @@ def load_model(model: str | None, dtype: torch.dtype,
     # Buffers (rotary tables) were created on meta; rebuild them for real.
     _rebuild_rotary(model_, cfg, device)
     return model_.to(dtype=dtype, device=device).eval(), tokenizer
+
+
+def release_freed_heap() -> bool:
+    """Hand the heap pages that loading freed (the float32 state dict and pre-cast
+    weights) back to the OS. glibc keeps them mapped otherwise, and since the KV pools are
+    allocated next, in fresh pages, they stay in the resident size for good (an engine on
+    SmolLM2 with a 1 GiB KV pool: 1.85 GB resident instead of 2.02, measured). False where
+    the C library has no malloc_trim (not glibc)."""
+    gc.collect()
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    trim(0)
+    return True
 
 
 def _rebuild_rotary(model: CausalLM, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
