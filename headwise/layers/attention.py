@@ -8,6 +8,7 @@ Full heads read and write paged blocks; window heads read and write a fixed-size
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -138,7 +139,7 @@ class HeadSplitAttention(nn.Module):
                                        self._sink_query(wg, q[:B], pos))
         for ch in ctx.prefills:
             s = slice(ch.offset, ch.offset + ch.length)
-            cpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
+            cpos, rows, ridx = _ring_writes(ch, wg, q.device)
             if self._kernels is not None:
                 ring_pos = _ring_positions(wg.sink, wg.window, ch.start, q.device)
                 out[s] = self._kernels.window_prefill(
@@ -148,11 +149,8 @@ class HeadSplitAttention(nn.Module):
                 out[s] = self._window_prefill(wg, ch, q[s], k[s], v[s], self._sink_query(wg, q[s], cpos))
             # Written after attention: earlier queries of the chunk still need the
             # ring's older entries. Only tokens that survive the chunk are stored.
-            keep = (cpos < wg.sink) | (cpos >= ch.start + ch.length - wg.window)
-            idx = keep.nonzero().squeeze(1)
-            ridx = wg.ring_index(cpos[idx])
-            wg.k_ring[ch.ring_slot, :, ridx] = k[s][idx].transpose(0, 1)
-            wg.v_ring[ch.ring_slot, :, ridx] = v[s][idx].transpose(0, 1)
+            wg.k_ring[ch.ring_slot, :, ridx] = k[s][rows].transpose(0, 1)
+            wg.v_ring[ch.ring_slot, :, ridx] = v[s][rows].transpose(0, 1)
 
     def _sink_query(self, wg: WindowGroup, q: torch.Tensor, pos: torch.Tensor) -> torch.Tensor | None:
         if self.sink_rotary is None or wg.sink == 0:
@@ -183,8 +181,8 @@ class HeadSplitAttention(nn.Module):
                 return out
         # Band rows: positions [s2, s2 + c2) of the chunk's rows [q0, c).
         s2, c2 = start + q0, c - q0
-        Bq = min(WINDOW_QUERY_BLOCK, c2)
-        nb = -(-c2 // Bq)
+        masks = _window_biases(ch, sink, W, g, q.dtype, q.device)
+        Bq, nb = masks.block, masks.num_blocks
         S = W + Bq  # keys of block b: positions s2 + b*Bq - W + [0, S)
         # Keys of positions [base, s2 + nb*Bq), base = s2 - W; zero where no token exists.
         base = s2 - W
@@ -204,7 +202,7 @@ class HeadSplitAttention(nn.Module):
         # GQA without copying keys: a block's g query heads of one KV head are its rows.
         qb = F.pad(q[q0:], (0, 0, 0, 0, 0, nb * Bq - c2)).view(nb, Bq, n, g, D)
         qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
-        head_bias, band_bias, sink_bias = _window_biases(ch, sink, W, g, q.dtype, q.device)
+        head_bias, band_bias, sink_bias = masks.head, masks.band, masks.sinks
         nh = head_bias.shape[1]  # blocks reaching before position 0 (their padding masked)
         o = q.new_empty(n, nb, g * Bq, D)
         lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
@@ -239,11 +237,29 @@ def _causal_rows(ch: PrefillChunk, sink: int, W: int) -> int:
     return min(ch.length, sink + W) if ch.start == 0 else 0
 
 
-def _window_biases(ch: PrefillChunk, sink: int, W: int, g: int, dtype, device):
-    """The additive masks of a chunk's band rows (see _window_prefill), the same in every
-    layer, so built once per chunk: (head blocks [1, nh, g*Bq, S], other blocks
-    [1, 1, g*Bq, S], sinks [1, 1, g*cq, ns] or None). Rows are (query head, query) pairs
-    of one KV head."""
+def _ring_writes(ch: PrefillChunk, wg: WindowGroup, device):
+    """(positions of the chunk [c], chunk rows that survive into the ring, their ring
+    slots): the same in every layer, so built once per chunk and (sink, window)."""
+    key = (wg.sink, wg.window)
+    if key not in ch.ring_writes:
+        cpos = torch.arange(ch.start, ch.start + ch.length, device=device)
+        rows = ((cpos < wg.sink) | (cpos >= ch.start + ch.length - wg.window)).nonzero().squeeze(1)
+        ch.ring_writes[key] = (cpos, rows, wg.ring_index(cpos[rows]))
+    return ch.ring_writes[key]
+
+
+class BandMasks(NamedTuple):
+    block: int                  # Bq, query rows per band block
+    num_blocks: int             # nb
+    head: torch.Tensor          # [1, nh, g*Bq, S]: blocks reaching before position 0
+    band: torch.Tensor          # [1, 1, g*Bq, S]: every other block
+    sinks: torch.Tensor | None  # [1, 1, g*cq, ns], None if no row sees a sink outside its band
+
+
+def _window_biases(ch: PrefillChunk, sink: int, W: int, g: int, dtype, device) -> BandMasks:
+    """The block geometry and additive masks of a chunk's band rows (see
+    _window_prefill), the same in every layer, so built once per chunk. Mask rows are
+    (query head, query) pairs of one KV head."""
     key = (sink, W, g, dtype)
     if key not in ch.window_biases:
         q0 = _causal_rows(ch, sink, W)
@@ -263,7 +279,7 @@ def _window_biases(ch: PrefillChunk, sink: int, W: int, g: int, dtype, device):
             qpos = torch.arange(start + r0, start + c, device=device)
             sm = (torch.arange(ns, device=device)[None, :] <= (qpos - W)[:, None]).repeat(g, 1)
             sinks = _bias(sm[None, None], dtype)
-        ch.window_biases[key] = (_bias(head[None], dtype), _bias(band[None, None], dtype), sinks)
+        ch.window_biases[key] = BandMasks(Bq, nb, _bias(head[None], dtype), _bias(band[None, None], dtype), sinks)
     return ch.window_biases[key]
 
 

@@ -22,6 +22,9 @@ class PrefillChunk:
     # Window-head attention biases of this chunk, built by the first layer that needs them
     # and reused by the rest (keyed by sink, window, group size, dtype).
     window_biases: dict = field(default_factory=dict)
+    # Window-head ring writes of this chunk (positions, surviving rows, ring slots), keyed
+    # by (sink, window); built once, like the biases.
+    ring_writes: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -68,8 +68,8 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked weight, opaque tensor
         # 4-bit copy for small calls: (codes packed by the int4 kernel [N, K/2] uint8,
-        # scales and offsets [K/32, N, 2] in the activation dtype); found while float32
-        self._int4_found: tuple[torch.Tensor, torch.Tensor] | None = None
+        # scales and offsets [K/32, N, 2]). Found while float32; pack() casts the scales
+        # to the activation dtype, and only a packed layer uses it.
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
         nn.init.uniform_(self.weight, -bound, bound)
@@ -85,7 +85,7 @@ class Linear(nn.Module):
         codes, scale, low = found
         # The kernel computes w = (code - 8) * scale + offset.
         sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]
-        self._int4_found = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz)
+        self.int4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz)
         return True
 
     def pack(self) -> bool:
@@ -94,10 +94,10 @@ class Linear(nn.Module):
         if self.packed is not None:
             return True
         if self.weight is None or not can_pack(self.weight):
+            self.int4 = None  # only a packed layer uses it
             return False
-        if self._int4_found is not None:
-            codes, sz = self._int4_found
-            self.int4, self._int4_found = (codes, sz.to(self.weight.dtype)), None
+        if self.int4 is not None:
+            self.int4 = (self.int4[0], self.int4[1].to(self.weight.dtype))
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -132,7 +132,8 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias) * other
 
     def _small(self, x: torch.Tensor) -> bool:
-        return self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+        return (self.packed is not None and self.int4 is not None
+                and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS)
 
     def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         codes, sz = self.int4
