@@ -43,7 +43,7 @@ def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False) -> t
         if cfg.qk_norm:
             q, k = att.q_norm(q), att.k_norm(k)
         q0, k0 = q, k
-        q, k = att.rotary(pos, q0, k0)
+        q, k = model.model.rotary(pos, q0, k0)
         order = layout.head_order(l)  # storage position -> original head
         outs = []
         for qh in range(cfg.num_heads):
@@ -55,7 +55,7 @@ def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False) -> t
             s = (q[:, qh] @ k[:, kh].T) / cfg.head_dim ** 0.5
             if rebased and spec.kind == "window":
                 delta = (pos - (spec.sink + spec.window - 1)).clamp(min=0)
-                q_at = att.rotary(pos - delta, q0, k0)[0]
+                q_at = model.model.rotary(pos - delta, q0, k0)[0]
                 s = torch.where(j < spec.sink, (q_at[:, qh] @ k[:, kh].T) / cfg.head_dim ** 0.5, s)
             s = s.masked_fill(~mask, float("-inf"))
             outs.append(torch.softmax(s, -1) @ v[:, kh])

@@ -48,7 +48,7 @@ class LLMEngine:
         release_freed_heap()  # before the KV pools are allocated
         if config.window_positions == "rebased":
             for layer in self.model.model.layers:
-                layer.self_attn.attn.sink_rotary = layer.self_attn.rotary
+                layer.self_attn.attn.sink_rotary = self.model.model.rotary
         limit = mcfg.max_position_embeddings
         if mcfg.sliding_window:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled

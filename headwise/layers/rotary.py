@@ -40,11 +40,18 @@ class RotaryEmbedding(nn.Module):
         self.cos = freqs.cos()  # [P, D/2]
         self.sin = freqs.sin()
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        # q: [T, Hq, D], k: [T, Hkv, D], positions: [T]
-        cos = self.cos[positions].unsqueeze(1)  # [T, 1, D/2]
-        sin = self.sin[positions].unsqueeze(1)
+    def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D/2] of positions [T]; the same for every layer of a step."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
+        # q: [T, Hq, D], k: [T, Hkv, D] rotated by tables (see tables())
+        cos, sin = tables
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        return self.apply(self.tables(positions), q, k)
 
     def shift_back(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         """x [T, H, D], already rotated to positions p, rotated to positions p - delta[T]."""

@@ -107,8 +107,7 @@ def _rebuild_rotary(model: CausalLM, cfg: ModelConfig, device: torch.device | st
 
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
     rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
-    for layer in model.model.layers:
-        layer.self_attn.rotary = rotary
+    model.model.rotary = rotary
 
 
 __all__ = ["CausalLM", "ModelConfig", "UnsupportedModelError", "load_model", "DEFAULT_MODEL_NAME"]

@@ -15,7 +15,7 @@ from headwise.models.config import ModelConfig
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         D, H, Hkv = cfg.head_dim, cfg.num_heads, cfg.num_kv_heads
         bias = cfg.attention_bias
@@ -27,11 +27,11 @@ class SelfAttention(nn.Module):
             self.q_norm = RMSNorm(D, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(D, cfg.rms_norm_eps)
         self.qk_norm = cfg.qk_norm
-        self.rotary = rotary
         self.attn = HeadSplitAttention(H, Hkv, D)
         self.shape = (H, Hkv, D)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        # rope: the step's rotary tables (RotaryEmbedding.tables), shared by every layer
         H, Hkv, D = self.shape
         T = x.shape[0]
         q = self.q_proj(x).view(T, H, D)
@@ -39,7 +39,7 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).view(T, Hkv, D)
         if self.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
+        q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(T, H * D))
 
 
@@ -56,25 +56,25 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = SelfAttention(cfg, rotary)
+        self.self_attn = SelfAttention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions)
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
-                                 cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings,
+                                      cfg.rope_theta, cfg.rope_scaling)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -106,8 +106,9 @@ class CausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
         x = self.model.embed_tokens(input_ids)
+        rope = self.model.rotary.tables(positions)  # gathered once per step, not per layer
         for layer in self.model.layers:
-            x = layer(x, positions)
+            x = layer(x, rope)
         # Only rows that are sampled go through the norm and the vocabulary projection.
         x = self.model.norm(x[logits_indices])
         return self.lm_head(x).float()
