@@ -21,7 +21,7 @@ from benchmarks.common import Stat, headwise_aggregate, headwise_single, machine
 def split_layout(arg: str | None):
     from headwise.cache.layout import HeadLayout
     from headwise.layouts import shipped_layout
-    from headwise.models import DEFAULT_MODEL_NAME
+    from headwise.weights.loader import DEFAULT_MODEL_NAME
 
     if arg:
         return arg if arg in ("full", "window") else HeadLayout.load(arg)

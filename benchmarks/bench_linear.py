@@ -26,7 +26,7 @@ from benchmarks.common import Stat, machine, save  # noqa: E402
 def load_linears(dtype: torch.dtype):
     """(plain weights, prepared Linears, prepared MLPs, plain MLP weights (gate, up, down))."""
     from headwise.layers.linear import Linear
-    from headwise.models import load_model
+    from headwise.weights.loader import load_model
 
     model, _ = load_model(None, torch.float32)
     lins = [m for layer in model.model.layers for m in layer.modules() if isinstance(m, Linear)]

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import Stat, machine  # noqa: E402
 from headwise.config import DTYPE_CHOICES, EngineConfig, dtype_name  # noqa: E402
-from headwise.models import checkpoint_dtype  # noqa: E402
+from headwise.weights.loader import checkpoint_dtype  # noqa: E402
 
 FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
           "max_concurrency", "peak_rss_bytes")

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import torch
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
+from headwise.evaluation.passkey import FILLER
 
 
 @dataclass
@@ -58,7 +57,6 @@ def headwise_aggregate(llm, context: int, num_seqs: int, steps: int) -> float:
     for i in range(num_seqs):
         seq = Sequence([(7 * i + j) % 1000 + 100 for j in range(context)],
                        SamplingParams(max_tokens=steps + 1, ignore_eos=True))
-        seq.arrival_time, seq.first_token_time, seq.token_times = time.perf_counter(), None, []
         eng.cache.allocate(seq.seq_id, context)
         seq.num_computed_tokens = context - 1
         seq.status = SeqStatus.RUNNING
@@ -103,7 +101,7 @@ def hf_single(model, ids: list[int], new_tokens: int) -> tuple[float, float]:
 def load_hf_default(dtype=torch.float32):
     from transformers import AutoModelForCausalLM
 
-    from headwise.models import default_model_path
+    from headwise.weights.loader import default_model_path
 
     p = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()

@@ -50,7 +50,7 @@ class IdTokenizer:
 
 
 def random_model(shape: dict, max_len: int, device: str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    from headwise.models import _rebuild_rotary
+    from headwise.weights.loader import rebuild_rotary
 
     cfg = ModelConfig(architecture="llama", max_position_embeddings=max_len,
                       name="random-llama3-8b-shape", **shape)
@@ -70,7 +70,7 @@ def random_model(shape: dict, max_len: int, device: str, dtype: torch.dtype, see
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    _rebuild_rotary(model, cfg, device)
+    rebuild_rotary(model, cfg, device)
     return model.eval()
 
 
@@ -101,8 +101,8 @@ def measure_layout(args, layout_name: str, contexts: list[int], dtype) -> list[d
               else HeadLayout.random(dims, args.full_fraction, seed=0, sink=args.sink, window=args.window))
     budget = int(args.budget_gib * (1 << 30))
     # One engine per layout, configured once as a server would be: ring slots for as many
-    # sequences of the shortest context as the budget holds (bytes counted on "meta").
-    per_seq = KVCacheManager(layout, 16, budget, 1, dtype, "meta").kv_bytes(min(contexts) + args.agg_steps + 2)
+    # sequences of the shortest context as the budget holds (the books alone, no storage).
+    per_seq = KVCacheManager(layout, 16, budget, 1, dtype).kv_bytes(min(contexts) + args.agg_steps + 2)
     llm = LLM.from_model(model, IdTokenizer(), head_layout=layout, dtype=args.dtype, device=args.device,
                          attention_backend=args.backend, max_num_batched_tokens=args.chunk,
                          max_model_len=max_len, kv_cache_memory=budget, max_num_seqs=max(1, budget // per_seq))

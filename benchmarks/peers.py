@@ -62,7 +62,7 @@ class TransformersSystem:
     def __init__(self, model: str | None, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from headwise.models import resolve_model_path
+        from headwise.weights.loader import resolve_model_path
         from headwise.tokenizer import Tokenizer
 
         p = resolve_model_path(model)
@@ -120,7 +120,7 @@ class LlamaCppSystem:
             import llama_cpp  # noqa: F401
         except ImportError:
             raise Skip("llama-cpp-python is not installed (make bench builds it; the build failed or was skipped)")
-        from headwise.models import resolve_model_path
+        from headwise.weights.loader import resolve_model_path
 
         p = resolve_model_path(model)
         if p.suffix != ".gguf":
@@ -188,7 +188,7 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
     transformers; llama.cpp runs the GGUF as it is (quantized weights, f16 KV)."""
     if name == "headwise":
         from headwise.layouts import shipped_layout
-        from headwise.models import DEFAULT_MODEL_NAME
+        from headwise.weights.loader import DEFAULT_MODEL_NAME
 
         lay = layout or (shipped_layout(DEFAULT_MODEL_NAME, (30, 3, 64)) if model is None else None)
         if lay is None:

@@ -11,8 +11,8 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-FILLER = ("The grass is green. The sky is blue. The sun is yellow. Here we go. "
-          "There and back again. ")
+from headwise.evaluation.passkey import FILLER
+
 
 
 @dataclass

@@ -1,38 +1,22 @@
-"""Command line: headwise demo | generate | (more subcommands register themselves here)."""
+"""Command line: headwise generate | demo | calibrate | eval | serve | bench."""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from headwise.bench_serve import add_bench
 from headwise.cache.layout import LayoutError
-from headwise.config import DTYPE_CHOICES
-
-
-def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="GGUF file or HF directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--head-layout", default=None,
-                   help="full | window | PATH to a layout JSON (default: the model's shipped layout, else full)")
-    p.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
-                   help="auto: bfloat16 where the device computes it natively, else float32")
-    p.add_argument("--kv-cache-memory", type=int, default=1 << 30, help="bytes for the KV cache (both pools)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=32)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
-                   help="auto: Triton kernels on CUDA, PyTorch on CPU")
-
-
-def engine_options(args: argparse.Namespace) -> dict:
-    return dict(head_layout=args.head_layout, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
-                max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, device=args.device,
-                attention_backend=args.attention_backend)
+from headwise.calibration.cli import add_calibrate
+from headwise.config import EngineConfig, add_engine_args, engine_options
+from headwise.demo import run_demo
+from headwise.engine.llm_engine import LLMEngine
+from headwise.evaluation.cli import add_eval
+from headwise.llm import LLM
+from headwise.sampling import SamplingParams
+from headwise.server.app import serve
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from headwise import LLM, SamplingParams
-
     if (args.prompt is None) == (args.prompt_file is None):
         raise UsageError("give exactly one of --prompt TEXT or --prompt-file FILE")
     if args.prompt_file is not None:
@@ -57,20 +41,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from headwise.demo import run_demo
-
-    return run_demo(args)
+    return run_demo(args.model, args.tokens, engine_options(args))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from headwise.config import EngineConfig
-    from headwise.engine.llm_engine import LLMEngine
-    from headwise.server.app import serve
-
-    if args.max_queue < 1:
-        raise UsageError(f"--max-queue must be >= 1, got {args.max_queue}")
     engine = LLMEngine(EngineConfig.from_options(args.model, engine_options(args)))
-    serve(engine, args.host, args.port, args.max_queue, args.served_model_name)
+    serve(engine, args.host, args.port, engine.config.max_queue, args.served_model_name)
     return 0
 
 
@@ -83,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
-    _engine_args(g)
+    add_engine_args(g)
     g.add_argument("--prompt", default=None)
     g.add_argument("--prompt-file", default=None)
     g.add_argument("--max-tokens", type=int, default=64)
@@ -96,24 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.set_defaults(func=cmd_generate)
 
     d = sub.add_parser("demo", help="answer a question about a ~6,000-token document, full vs head-split")
-    _engine_args(d)
+    add_engine_args(d)
     d.add_argument("--tokens", type=int, default=6000, help="document length in tokens")
     d.set_defaults(func=cmd_demo)
-
-    from headwise.evaluation.cli import add_calibrate, add_eval
 
     add_calibrate(sub)
     add_eval(sub)
 
     sv = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    _engine_args(sv)
+    add_engine_args(sv)
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
-    sv.add_argument("--max-queue", type=int, default=256, help="waiting requests beyond this get 503")
     sv.add_argument("--served-model-name", default=None)
-    sv.set_defaults(func=cmd_serve)
-
-    from headwise.bench_serve import add_bench
+    sv.set_defaults(func=cmd_serve, max_queue=256)
 
     add_bench(sub)
     return parser

@@ -1,7 +1,8 @@
 """EngineConfig: every engine option in one validated dataclass."""
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+import argparse
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -21,25 +22,39 @@ class ConfigError(ValueError):
     pass
 
 
+def _opt(default: Any, help: str, type: Any = None, choices: tuple | None = None) -> Any:
+    """A field whose CLI flag (--name-with-dashes) is generated from it: name, default,
+    type, choices and help are written once, here."""
+    return field(default=default, metadata={"help": help, "type": type, "choices": choices})
+
+
 @dataclass
 class EngineConfig:
-    model: str | None = None                  # GGUF file or HF directory; None: default model
+    model: str | None = _opt(None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct)", str)
     # "auto": bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16
     # or AMX) and the checkpoint is 16-bit or quantized, else float32. See resolve_dtype.
-    dtype: str = "auto"
-    head_layout: Any = None                   # "full" | "window" | path | HeadLayout | None
-    block_size: int = 16
-    kv_cache_memory: int = 1 << 30            # bytes for both KV pools together
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048        # token budget of one engine step
-    max_model_len: int | None = None
-    max_queue: int | None = None
-    num_threads: int | None = None
-    device: str = "cpu"                       # "cpu" or "cuda[:N]"
-    attention_backend: str = "auto"           # "auto" | "torch" | "triton"
+    dtype: str = _opt("auto", "compute and KV dtype; auto: bfloat16 where the device computes it "
+                      "natively and the checkpoint is 16-bit or quantized, else float32",
+                      str, DTYPE_CHOICES)
+    head_layout: Any = _opt(None, "full | window | PATH to a layout JSON (default: the model's "
+                            "shipped layout, else full)", str)
+    block_size: int = _opt(16, "tokens per full-head KV block", int)
+    kv_cache_memory: int = _opt(1 << 30, "bytes for the KV cache (both pools)", int)
+    max_num_seqs: int = _opt(32, "sequences running at once (one window-head ring each)", int)
+    max_num_batched_tokens: int = _opt(2048, "token budget of one engine step; longer prompts "
+                                       "are prefilled in chunks of it", int)
+    max_model_len: int | None = _opt(None, "longest prompt + completion in tokens "
+                                     "(default: the model's context)", int)
+    max_queue: int | None = _opt(None, "waiting requests beyond this are refused "
+                                 "(the server answers 503)", int)
+    num_threads: int | None = _opt(None, "CPU threads for PyTorch (default: PyTorch's choice)", int)
+    device: str = _opt("cpu", "cpu | cuda | cuda:N", str)
+    attention_backend: str = _opt("auto", "auto: Triton kernels on CUDA, PyTorch elsewhere",
+                                  str, BACKENDS)
     # Rotary positions seen by window heads: "original" (DuoAttention; the default) or
     # "rebased" (StreamingLLM: distances as if evicted tokens were never there).
-    window_positions: str = "original"
+    window_positions: str = _opt("original", "rotary positions of window heads: original "
+                                 "(DuoAttention) or rebased (StreamingLLM)", str, WINDOW_POSITIONS)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -118,3 +133,21 @@ def native_bf16(device: torch.device) -> bool:
     except OSError:
         return False
     return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
+    """One flag per EngineConfig field (--max-num-seqs for max_num_seqs, ...)."""
+    for f in fields(EngineConfig):
+        if f.name in exclude:
+            continue
+        meta = f.metadata
+        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
+                            type=meta["type"], choices=meta["choices"],
+                            help=f"{meta['help']} (default: %(default)s)")
+
+
+def engine_options(args: argparse.Namespace, exclude: tuple[str, ...] = ("model",)) -> dict[str, Any]:
+    """The engine options parsed by add_engine_args, as keyword arguments of LLM()."""
+    return {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+            if f.name not in exclude and hasattr(args, f.name)}
+

@@ -2,12 +2,12 @@
 full and with the head-split layout, side by side."""
 from __future__ import annotations
 
-import argparse
+from headwise.evaluation.passkey import passkey_prompt
+from headwise.llm import LLM
+from headwise.sampling import SamplingParams
 
 
 def _run(llm, prompt, new_tokens: int = 33) -> dict:
-    from headwise import SamplingParams
-
     # One generation serves both figures: a fixed number of tokens (no early stop) for the
     # decode speed, and its first line as the answer.
     out = llm.generate(prompt.text, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)[0]
@@ -23,22 +23,19 @@ def _run(llm, prompt, new_tokens: int = 33) -> dict:
     }
 
 
-def run_demo(args: argparse.Namespace) -> int:
-    from headwise import LLM
-    from headwise.cli import engine_options
-    from headwise.evaluation.passkey import passkey_prompt
-
-    opts = engine_options(args)
+def run_demo(model: str | None, tokens: int, options: dict) -> int:
+    """options: engine options (LLM keyword arguments); head_layout is the split to show."""
+    opts = dict(options)
     opts["max_num_batched_tokens"] = max(opts["max_num_batched_tokens"], 8192)
     split_choice = opts.pop("head_layout")
     rows = []
-    llm = LLM(args.model, head_layout="full", **opts)
-    prompt = passkey_prompt(llm.tokenizer, args.tokens, depth=0.4, seed=7)
+    llm = LLM(model, head_layout="full", **opts)
+    prompt = passkey_prompt(llm.tokenizer, tokens, depth=0.4, seed=7)
     print(f"document: {len(llm.tokenizer.encode(prompt.text))} tokens, "
           f"pass key hidden at 40% depth; asking for it.\n", flush=True)
     rows.append(("full", _run(llm, prompt)))
     del llm
-    split = LLM(args.model, head_layout=split_choice, **opts)
+    split = LLM(model, head_layout=split_choice, **opts)
     if split.layout.full_fraction < 1.0:
         rows.append((f"head-split ({split.layout.name})", _run(split, prompt)))
     else:

@@ -25,7 +25,6 @@ class RequestOutput:
     @classmethod
     def from_seq(cls, seq: Sequence) -> "RequestOutput":
         has_lp = seq.params.logprobs is not None
-        fin = getattr(seq, "finish_time", None)
         return cls(
             request_id=seq.request_id,
             prompt_token_ids=seq.prompt_token_ids,
@@ -34,8 +33,8 @@ class RequestOutput:
             finish_reason=seq.finish_reason,
             logprobs=list(seq.logprobs) if has_lp else None,
             top_logprobs=list(seq.top_logprobs) if has_lp and seq.params.logprobs else None,
-            ttft_s=(seq.first_token_time - seq.arrival_time) if seq.first_token_time else None,
-            latency_s=(fin - seq.arrival_time) if fin else None,
+            ttft_s=seq.ttft_s,
+            latency_s=seq.latency_s,
             num_preemptions=seq.num_preemptions,
         )
 

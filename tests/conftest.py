@@ -20,7 +20,7 @@ ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory) -> Path:
     """The default model's tokenizer saved as HF files (it comes from the GGUF)."""
-    from headwise.models import default_model_path
+    from headwise.weights.loader import default_model_path
     from transformers import AutoTokenizer
 
     p = default_model_path()

@@ -6,6 +6,7 @@ from headwise.cache.block_pool import BlockPool
 from headwise.cache.layout import HeadLayout, HeadSpec
 from headwise.cache.manager import CacheConfigError, KVCacheManager
 from headwise.cache.pool import CacheFullError
+from headwise.engine.kv_storage import KVStorage
 
 F32 = torch.float32
 
@@ -36,7 +37,7 @@ def test_full_layout_block_tables_exact():
     assert m.can_append(10, 12) and not m.can_append(10, 21)
     m.append(10, 12)            # grows to 3 blocks
     assert m.full.tables[10] == [0, 1, 3]
-    assert m.full.slots(10, 6, 9).tolist() == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
+    assert m.slot_mapping(10, 6, 9) == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
     m.free(10)
     m.allocate(12, 16)
     assert m.full.tables[12] == [4, 0, 1, 3]
@@ -70,16 +71,16 @@ def test_mixed_layout_storage_and_kv_bytes():
     m = _manager(layout, 3 * ring_seq + 10 * block, max_num_seqs=3)
     assert m.ring.total_bytes == 3 * ring_seq
     assert m.full.blocks.num_blocks == 10
-    assert m.full.k.shape == (1, 40, 8)  # only the one full head is stored
+    kv = KVStorage(m.geometry, m.num_blocks, m.num_ring_slots)
+    assert kv.full_k.shape == (1, 40, 8)  # only the one full head is stored
     assert m.kv_bytes(9) == 3 * block + ring_seq
     m.allocate(1, 9)
     m.allocate(2, 1)
     assert m.ring.slot_of == {1: 0, 2: 1}
     assert m.usage()["ring"]["used_bytes"] == 2 * ring_seq
     assert m.usage()["full"]["used_bytes"] == 4 * block
-    # actually allocated bytes equal kv_bytes
-    actual = m.full.k.numel() * 4 * 2 + m.ring.storage.numel() * 4
-    assert actual == m.ring.total_bytes + m.full.total_bytes
+    # the storage the runner allocates is exactly what the books count
+    assert kv.nbytes == m.ring.total_bytes + m.full.total_bytes
     m.allocate(3, 1)
     assert not m.can_allocate(1)  # ring pool is the limit now
     m.free(2)

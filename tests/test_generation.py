@@ -123,7 +123,7 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_models):
     f32 = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24)
     assert f32.engine.dtype == torch.float32  # auto: the tiny checkpoint is saved in float32
     bf = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24, dtype="bfloat16")
-    assert bf.engine.cache.full.k.dtype == torch.bfloat16
+    assert bf.engine.runner.kv.full_k.dtype == torch.bfloat16
     ids = f32.tokenizer.encode(PROMPTS[1])
     a, b = f32.engine.prompt_logits(ids), bf.engine.prompt_logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
@@ -138,7 +138,7 @@ def test_auto_dtype_follows_checkpoint_and_device(tiny_models, tmp_path, monkeyp
 
     import headwise.config as config_mod
     from headwise.config import EngineConfig
-    from headwise.models import checkpoint_dtype
+    from headwise.weights.loader import checkpoint_dtype
 
     monkeypatch.setattr(config_mod, "native_bf16", lambda device: native)
     want = torch.bfloat16 if native else torch.float32
@@ -159,14 +159,14 @@ def test_auto_dtype_follows_checkpoint_and_device(tiny_models, tmp_path, monkeyp
     assert checkpoint_dtype(str(tiny_models["llama"])) == "float32"
     llm = LLM(str(bf_dir), head_layout="full", kv_cache_memory=1 << 24)
     assert llm.engine.dtype == want
-    assert llm.engine.cache.full.k.dtype == want
+    assert llm.engine.runner.kv.full_k.dtype == want
     assert next(llm.engine.model.parameters()).dtype == want
 
 
 def test_release_freed_heap_returns_pages_to_the_os():
     """What loading leaves behind: many small freed blocks, kept mapped by glibc until
     released."""
-    from headwise.models import release_freed_heap
+    from headwise.weights.loader import release_freed_heap
 
     def rss_kib() -> int:
         with open("/proc/self/status") as f:

@@ -166,15 +166,14 @@ def test_triton_backend_equals_torch_backend_batched(tiny_models):
 
 
 def test_ring_slot_mapping():
-    from headwise.layers.attention import WindowGroup, _ring_positions
+    from headwise.layers.window_geometry import ring_index, ring_positions
 
-    g = WindowGroup(0, 1, 3, 4, torch.empty(0), torch.empty(0))
-    slots = g.ring_index(torch.arange(12)).tolist()
+    slots = ring_index(torch.arange(12), 3, 4).tolist()
     assert slots == [0, 1, 2, 3, 4, 5, 6, 3, 4, 5, 6, 3]
     # after 10 tokens: sink 0..2, recent 6..9 in slots 3..6 as 7, 8, 9, 6
-    assert _ring_positions(3, 4, 10).tolist() == [0, 1, 2, 7, 8, 9, 6]
-    assert _ring_positions(3, 4, 2).tolist() == [0, 1, -1, -1, -1, -1, -1]
-    assert _ring_positions(3, 4, 5).tolist() == [0, 1, 2, 3, 4, -1, -1]
+    assert ring_positions(3, 4, 10).tolist() == [0, 1, 2, 7, 8, 9, 6]
+    assert ring_positions(3, 4, 2).tolist() == [0, 1, -1, -1, -1, -1, -1]
+    assert ring_positions(3, 4, 5).tolist() == [0, 1, 2, 3, 4, -1, -1]
 
 
 def test_layout_roundtrip_and_shape_check(tmp_path):
@@ -233,7 +232,7 @@ def test_batched_mixed_layout_equals_one_by_one(tiny_models, max_num_seqs):
 def test_slot_runs_follow_block_table():
     from headwise.cache.full_pool import FullHeadPool
 
-    pool = FullHeadPool(8, 4, 1, 2, torch.float32)
+    pool = FullHeadPool(8, 4, block_bytes=64)
     pool.allocate(1, 8)   # blocks 0, 1
     pool.allocate(2, 4)   # block 2
     pool.append(1, 13)    # blocks 3, 4 -> run [0, 1] then [3, 4]
@@ -247,14 +246,15 @@ def test_slot_runs_follow_block_table():
     (0, 8, 0, 29), (0, 8, 19, 9), (3, 1, 0, 12), (3, 1, 9, 5), (6, 16, 0, 5), (6, 16, 50, 1),
 ])
 @pytest.mark.parametrize("rebased", [False, True])
-def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monkeypatch):
+def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased):
     """The window prefill (causal prefix of a first chunk, then band + sinks over many
     query blocks of size 4, earlier context read from the ring) against a dense masked
     softmax over every position."""
-    import headwise.layers.attention as A
-    from headwise.layers.context import PrefillChunk
+    from headwise.layers import torch_attention
+    from headwise.layers.attention import WindowGroup
+    from headwise.layers.context import PrefillChunk, StepContext
+    from headwise.layers.window_geometry import window_chunk
 
-    monkeypatch.setattr(A, "WINDOW_QUERY_BLOCK", 4)
     torch.manual_seed(start * 100 + c)
     n, g, D = 2, 3, 8
     T = start + c
@@ -265,17 +265,18 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monk
     k, v = torch.randn(T, n, D), torch.randn(T, n, D)
     R = sink + window
     k_ring, v_ring = torch.randn(2, n, R, D), torch.randn(2, n, R, D)  # junk where unwritten
-    wg = A.WindowGroup(0, n, sink, window, k_ring, v_ring)
+    wg = WindowGroup(0, n, sink, window, k_ring, v_ring)
     for p in range(start):  # what earlier chunks left in ring slot 1
         r = int(wg.ring_index(torch.tensor(p)))
         k_ring[1, :, r], v_ring[1, :, r] = k[p], v[p]
-    att = A.HeadSplitAttention(n * g, n, D)
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
+    ch.window[(sink, window)] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
+                                                   for_kernels=False, block=4)
+    # no band masks when every row is in the causal prefix
+    assert (geo.masks is None) == (start == 0 and c <= sink + window)
+    ctx = StepContext(positions=torch.arange(start, T), full_slots=torch.zeros(c, dtype=torch.int64))
     qs = None if q_sink is None else q_sink[start:]
-    got = att._window_prefill(wg, ch, q[start:], k[start:], v[start:], qs)
-    # built once per chunk; none when every row is in the causal prefix
-    causal_only = start == 0 and c <= sink + window
-    assert list(ch.window_biases) == ([] if causal_only else [(sink, window, g, q.dtype)])
+    got = torch_attention.window_prefill(q[start:], k[start:], v[start:], wg, ctx, ch, qs, D ** -0.5)
 
     i = torch.arange(start, T)[:, None]
     j = torch.arange(T)[None, :]
@@ -291,7 +292,8 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, monk
 
 @pytest.mark.parametrize("fused", [True, False])
 def test_attend_returns_log_sum_exp(fused):
-    from headwise.layers.attention import _attend, _bias
+    from headwise.layers.torch_attention import attend as _attend
+    from headwise.layers.window_geometry import bias as _bias
 
     torch.manual_seed(0)
     q, k, v = torch.randn(2, 3, 5, 8), torch.randn(2, 3, 7, 8), torch.randn(2, 3, 7, 8)

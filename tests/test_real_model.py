@@ -18,7 +18,7 @@ PROMPTS = [
 def hf_gguf_model():
     from transformers import AutoModelForCausalLM
 
-    from headwise.models import default_model_path
+    from headwise.weights.loader import default_model_path
 
     p = default_model_path()
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()

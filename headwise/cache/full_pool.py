@@ -1,35 +1,29 @@
-"""Paged storage for full heads only.
+"""Books of the paged pool for full heads: which blocks each sequence holds.
 
 One block holds `block_size` tokens for every full KV head of every layer, so a sequence
-needs a single block table. Storage is head-major, [F, num_blocks * block_size, D] for K
-and for V, where F is the total number of full heads over all layers; layer l's view is
-the contiguous slice of its own full heads. Window heads take no space here.
+needs a single block table. No tensors here: the runner owns the storage.
 """
 from __future__ import annotations
-
-import torch
 
 from headwise.cache.block_pool import BlockPool
 
 
 class FullHeadPool:
-    def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+    def __init__(self, num_blocks: int, block_size: int, block_bytes: int) -> None:
         self.block_size = block_size
-        self.num_heads = num_heads
-        self.blocks = BlockPool(num_blocks if num_heads else 0)
+        self.block_bytes = block_bytes  # 0 when the layout has no full head
+        self.blocks = BlockPool(num_blocks if block_bytes else 0)
         self.tables: dict[int, list[int]] = {}
         # Per sequence, its blocks as maximal runs of consecutive ids: [first_block, count].
         # Decode attends over each run as a slice of the pool, with no gather.
         self._runs: dict[int, list[list[int]]] = {}
-        esize = torch.empty((), dtype=dtype).element_size()
-        self.block_bytes = 2 * num_heads * block_size * head_dim * esize
-        slots = self.blocks.num_blocks * block_size
-        self.k = torch.zeros(num_heads, slots, head_dim, dtype=dtype, device=device)  # [F, slots, D]
-        self.v = torch.zeros(num_heads, slots, head_dim, dtype=dtype, device=device)
+
+    @property
+    def active(self) -> bool:
+        return self.block_bytes > 0
 
     def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size) if self.num_heads else 0
+        return -(-num_tokens // self.block_size) if self.active else 0
 
     def can_allocate(self, num_tokens: int) -> bool:
         return self._blocks_for(num_tokens) <= self.blocks.num_free
@@ -46,8 +40,7 @@ class FullHeadPool:
         return need <= self.blocks.num_free
 
     def append(self, seq_id: int, num_tokens: int) -> None:
-        table = self.tables[seq_id]
-        need = self._blocks_for(num_tokens) - len(table)
+        need = self._blocks_for(num_tokens) - len(self.tables[seq_id])
         if need > 0:
             self._extend(seq_id, self.blocks.take(need))
 
@@ -78,17 +71,18 @@ class FullHeadPool:
     def block_table(self, seq_id: int) -> list[int]:
         return self.tables[seq_id]
 
-    def slots(self, seq_id: int, start: int, end: int) -> torch.Tensor:
-        """Flat slot ids of positions [start, end) of a sequence."""
-        table = torch.tensor(self.tables[seq_id], dtype=torch.int64)
-        pos = torch.arange(start, end)
-        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+    def slots(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Flat slot ids (block * block_size + offset) of positions [start, end)."""
+        if not self.active:
+            return [0] * (end - start)
+        table, bs = self.tables[seq_id], self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def bytes_for(self, num_tokens: int) -> int:
         return self._blocks_for(num_tokens) * self.block_bytes
 
     def max_tokens(self) -> int:
-        return self.blocks.num_blocks * self.block_size if self.num_heads else 1 << 62
+        return self.blocks.num_blocks * self.block_size if self.active else 1 << 62
 
     @property
     def used_bytes(self) -> int:
@@ -97,4 +91,3 @@ class FullHeadPool:
     @property
     def total_bytes(self) -> int:
         return self.blocks.num_blocks * self.block_bytes
-

@@ -1,92 +1,57 @@
-"""KVCacheManager: the one cache API the scheduler and runner use.
+"""KVCacheManager: the one door to the cache for the scheduler and the model runner.
 
-It fronts the full-head pool (paged) and the window-head pool (rings), splits the byte
-budget between them, checks both on admission, and binds per-layer views to the model.
+It keeps the books of both pools (which blocks and which ring slot each sequence holds),
+splits the byte budget between them, checks both on admission, and hands each step the
+plain data it needs (slot ids, block tables, ring slots). It owns no tensor: the model
+runner allocates the storage that `geometry` describes and binds it into the layers.
 """
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
 from headwise.cache.ring_pool import RingPool
+from headwise.cache.spec import CacheGeometry, KVClassSpec
 
 
 class CacheConfigError(ValueError):
     pass
 
 
-@dataclass
-class _Group:
-    kv_start: int
-    kv_end: int
-    sink: int
-    window: int
-    offset: int  # element offset in a ring slot
-
-
 class KVCacheManager:
     def __init__(self, layout: HeadLayout, block_size: int, kv_cache_memory: int,
-                 max_num_seqs: int, dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+                 max_num_seqs: int, dtype: torch.dtype) -> None:
         self.layout = layout
         self.block_size = block_size
         D = layout.head_dim
-        self.full_offsets: list[int] = []
-        self.groups: list[list[_Group]] = []
-        F = E = 0
-        for l in range(layout.num_layers):
-            self.full_offsets.append(F)
-            nf = layout.num_full(l)
-            F += nf
-            order = layout.head_order(l)
-            groups: list[_Group] = []
-            for pos in range(nf, len(order)):
-                s = layout.heads[l][order[pos]]
-                if groups and (groups[-1].sink, groups[-1].window) == (s.sink, s.window):
-                    groups[-1].kv_end = pos + 1
-                else:
-                    groups.append(_Group(pos, pos + 1, s.sink, s.window, 0))
-            for grp in groups:
-                grp.offset = E
-                E += (grp.kv_end - grp.kv_start) * (grp.sink + grp.window) * D
-            self.groups.append(groups)
-        self.ring = RingPool(max_num_seqs, E, dtype, device)
+        self.geometry = CacheGeometry.from_layout(
+            layout, block_size, KVClassSpec("full", dtype, D), KVClassSpec("window", dtype, D))
+        geo = self.geometry
+        self.ring = RingPool(max_num_seqs, geo.ring_bytes)
         if self.ring.total_bytes > kv_cache_memory:
             raise CacheConfigError(
                 f"kv_cache_memory={kv_cache_memory} bytes cannot hold the window-head rings of "
                 f"max_num_seqs={max_num_seqs} sequences ({self.ring.total_bytes} bytes); "
                 "raise kv_cache_memory or lower max_num_seqs"
             )
-        esize = torch.empty((), dtype=dtype).element_size()
-        block_bytes = 2 * F * block_size * D * esize
-        num_blocks = (kv_cache_memory - self.ring.total_bytes) // block_bytes if F else 0
-        if F and num_blocks < 1:
+        block_bytes = geo.block_bytes
+        num_blocks = (kv_cache_memory - self.ring.total_bytes) // block_bytes if block_bytes else 0
+        if block_bytes and num_blocks < 1:
             raise CacheConfigError(
                 f"kv_cache_memory={kv_cache_memory} bytes leaves no room for one full-head block "
                 f"({block_bytes} bytes) after the rings ({self.ring.total_bytes} bytes)"
             )
-        self.full = FullHeadPool(num_blocks, block_size, F, D, dtype, device)
+        self.full = FullHeadPool(num_blocks, block_size, block_bytes)
         self.pools = (self.full, self.ring)
 
-    # ---- binding ------------------------------------------------------------------
-    def bind(self, attention_layers, backend: str = "torch") -> None:
-        D = self.layout.head_dim
-        from headwise.layers.attention import WindowGroup
+    @property
+    def num_blocks(self) -> int:
+        return self.full.blocks.num_blocks
 
-        for l, attn in enumerate(attention_layers):
-            nf = self.layout.num_full(l)
-            off = self.full_offsets[l]
-            kf = self.full.k[off: off + nf] if nf else None
-            vf = self.full.v[off: off + nf] if nf else None
-            wgs = []
-            for g in self.groups[l]:
-                n, R = g.kv_end - g.kv_start, g.sink + g.window
-                wgs.append(WindowGroup(g.kv_start, g.kv_end, g.sink, g.window,
-                                       self.ring.view(0, g.offset, n, R, D),
-                                       self.ring.view(1, g.offset, n, R, D)))
-            attn.bind(nf, kf, vf, wgs, self.block_size, backend)
+    @property
+    def num_ring_slots(self) -> int:
+        return self.ring.num_slots
 
     # ---- admission and growth (both pools) ----------------------------------------
     def can_allocate(self, num_tokens: int) -> bool:
@@ -110,6 +75,25 @@ class KVCacheManager:
     def max_tokens_per_seq(self) -> int:
         return self.full.max_tokens()
 
+    # ---- what a step needs, as plain data ------------------------------------------
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Full-pool flat slots (block * block_size + offset) of positions [start, end)."""
+        return self.full.slots(seq_id, start, end)
+
+    def block_table(self, seq_id: int) -> list[int]:
+        return self.full.block_table(seq_id)
+
+    def slot_runs(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
+        """Positions [0, num_tokens) as (first flat slot, length) runs of adjacent slots."""
+        return self.full.slot_runs(seq_id, num_tokens)
+
+    def ring_slot(self, seq_id: int) -> int:
+        return self.ring.slot(seq_id)
+
+    @property
+    def has_full_heads(self) -> bool:
+        return self.full.active
+
     # ---- accounting ---------------------------------------------------------------
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes one sequence of `num_tokens` tokens occupies under this layout."""
@@ -117,7 +101,7 @@ class KVCacheManager:
 
     def max_concurrency(self, num_tokens: int) -> int:
         """Sequences of `num_tokens` tokens that fit at once."""
-        by_ring = self.ring.num_slots if self.ring.elems_per_seq else 1 << 62
+        by_ring = self.ring.num_slots if self.ring.active else 1 << 62
         per = self.full.bytes_for(num_tokens)
         by_full = self.full.total_bytes // per if per else 1 << 62
         return min(by_ring, by_full)

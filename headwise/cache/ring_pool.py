@@ -1,36 +1,32 @@
-"""Fixed-size rings for window heads: one slot per running sequence.
+"""Books of the window-head rings: one fixed-size slot per running sequence.
 
 A slot holds, for every window head of every layer, sink + window token positions, so
-its size does not depend on the prompt length. Storage is one flat buffer laid out group
-by group: each (layer, window group) owns a contiguous [2, num_slots, n_heads,
-sink + window, D] block, so decode can run one batched matmul over all slots of a group
-without gathering them.
+its size does not depend on the prompt length. No tensors here: the runner owns the
+storage (see CacheGeometry for its layout).
 """
 from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 from headwise.cache.pool import CacheFullError
 
 
 class RingPool:
-    def __init__(self, num_slots: int, elems_per_seq: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu") -> None:
-        self.elems_per_seq = elems_per_seq
-        self.num_slots = num_slots if elems_per_seq else 0
+    def __init__(self, num_slots: int, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes  # 0 when the layout has no window head
+        self.num_slots = num_slots if slot_bytes else 0
         self._free: deque[int] = deque(range(self.num_slots))
         self.slot_of: dict[int, int] = {}
-        esize = torch.empty((), dtype=dtype).element_size()
-        self.seq_bytes = 2 * elems_per_seq * esize
-        self.storage = torch.zeros(2 * self.num_slots * elems_per_seq, dtype=dtype, device=device)
+
+    @property
+    def active(self) -> bool:
+        return self.slot_bytes > 0
 
     def can_allocate(self, num_tokens: int) -> bool:
-        return not self.elems_per_seq or bool(self._free)
+        return not self.active or bool(self._free)
 
     def allocate(self, seq_id: int, num_tokens: int) -> None:
-        if not self.elems_per_seq:
+        if not self.active:
             return
         if not self._free:
             raise CacheFullError("window-head ring pool has no free slot")
@@ -50,20 +46,13 @@ class RingPool:
     def slot(self, seq_id: int) -> int:
         return self.slot_of.get(seq_id, 0)
 
-    def view(self, kv: int, offset: int, n_heads: int, ring: int, head_dim: int) -> torch.Tensor:
-        """Contiguous [num_slots, n_heads, ring, D] K (kv=0) or V (kv=1) of the group whose
-        per-sequence element offset is `offset`."""
-        size = self.num_slots * n_heads * ring * head_dim
-        start = 2 * self.num_slots * offset + kv * size
-        return self.storage[start: start + size].view(self.num_slots, n_heads, ring, head_dim)
-
     def bytes_for(self, num_tokens: int) -> int:
-        return self.seq_bytes
+        return self.slot_bytes
 
     @property
     def used_bytes(self) -> int:
-        return len(self.slot_of) * self.seq_bytes
+        return len(self.slot_of) * self.slot_bytes
 
     @property
     def total_bytes(self) -> int:
-        return self.num_slots * self.seq_bytes
+        return self.num_slots * self.slot_bytes

@@ -14,13 +14,13 @@ baseline), so both rankings can be compared.
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
 from headwise.calibration.samples import CalibSample, make_samples
+from headwise.llm import LLM
 
 
 @dataclass
@@ -127,12 +127,10 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
               lengths: tuple[int, ...] = (1024, 2048, 3072), rounds: int = 2,
               progress: bool = True, engine_options: dict | None = None) -> HeadLayout:
     """Find a layout keeping `full_fraction` of KV heads full. Deterministic for a seed."""
-    from headwise import LLM
-
     _check(full_fraction, sink, window)
     torch.manual_seed(seed)
-    opts = dict(kv_cache_memory=1 << 30, max_num_batched_tokens=max(lengths) + 64)
-    opts.update(engine_options or {})
+    opts = dict(engine_options or {})
+    opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
     llm = LLM(model, head_layout="full", **opts)
     cfg = llm.engine.model_config
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
@@ -142,7 +140,6 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     if progress:
         from tqdm import tqdm
         bar = tqdm(total=num_samples * (1 + rounds), desc="calibrating", unit="prompt")
-    t0 = time.perf_counter()
     first = score_heads(llm, samples, sink, window, bar)
     scores = first.deviation
     full = _top(scores, k)
@@ -159,5 +156,4 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         bar.close()
     layout = HeadLayout.from_full_set(name, shape, full, sink, window, model=cfg.name,
                                       scores=[[round(float(x), 6) for x in row] for row in scores])
-    layout.calibration_seconds = time.perf_counter() - t0
     return layout

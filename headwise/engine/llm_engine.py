@@ -11,10 +11,12 @@ from headwise.config import EngineConfig
 from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
+from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.sequence import Sequence
-from headwise.models import checkpoint_dtype, load_model, release_freed_heap
+from headwise.layouts import shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
+from headwise.weights.loader import checkpoint_dtype, load_model, release_freed_heap
 
 
 class PromptTooLongError(ValueError):
@@ -42,20 +44,18 @@ class LLMEngine:
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
-                                     default=_shipped_layout(mcfg.name, shape))
+                                     default=shipped_layout(mcfg.name, shape))
         permute_model_heads(self.model, self.layout)
         self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
         release_freed_heap()  # before the KV pools are allocated
-        if config.window_positions == "rebased":
-            for layer in self.model.model.layers:
-                layer.self_attn.attn.sink_rotary = self.model.model.rotary
         limit = mcfg.max_position_embeddings
         if mcfg.sliding_window:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
-                                    config.max_num_seqs, self.dtype, config.torch_device)
-        self.runner = ModelRunner(self.model, self.cache, config.torch_device, config.backend)
+                                    config.max_num_seqs, self.dtype)
+        self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
+                                  config.backend, config.window_positions)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_queue)
         self.eos_ids = set(mcfg.eos_token_ids)
@@ -88,9 +88,6 @@ class LLMEngine:
         ids = self.encode(prompt)
         self.check_length(len(ids), params.max_tokens)
         seq = Sequence(ids, params, request_id)
-        seq.arrival_time = time.perf_counter()
-        seq.first_token_time = None
-        seq.token_times = []
         self.scheduler.add(seq)
         return seq
 
@@ -127,22 +124,19 @@ class LLMEngine:
             seq.logprobs.append(r.logprob)
             if r.top_logprobs is not None:
                 seq.top_logprobs.append(r.top_logprobs)
-        stopped_by_token = r.token in p.stop_token_ids or (not p.ignore_eos and r.token in self.eos_ids)
-        text = self.tokenizer.decode(seq.output_token_ids)
-        if not text.endswith("\ufffd") or stopped_by_token:
-            seq.output_text = text  # hold back a half-decoded character
+        detok = seq.detokenizer
+        if detok is None:
+            detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop)
         reason = None
-        if stopped_by_token:
+        if r.token in p.stop_token_ids or (not p.ignore_eos and r.token in self.eos_ids):
             reason = "stop"
-        elif p.stop:
-            hits = [i for i in (seq.output_text.find(s) for s in p.stop) if i >= 0]
-            if hits:
-                seq.output_text = seq.output_text[: min(hits)]
-                reason = "stop"
-        if reason is None and (len(seq.output_token_ids) >= p.max_tokens
-                               or seq.num_tokens >= self.max_model_len):
-            seq.output_text = text
+            detok.flush(seq.output_token_ids)
+        elif detok.step(seq.output_token_ids):
+            reason = "stop"
+        elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
+            detok.flush(seq.output_token_ids)
+        seq.output_text = detok.text
         if reason:
             seq.finish_reason = reason
             seq.finish_time = now
@@ -173,8 +167,3 @@ class LLMEngine:
     def kv_bytes(self, num_tokens: int) -> int:
         return self.cache.kv_bytes(num_tokens)
 
-
-def _shipped_layout(model_name: str, shape):
-    from headwise.layouts import shipped_layout
-
-    return shipped_layout(model_name, shape)

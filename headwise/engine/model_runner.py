@@ -1,23 +1,33 @@
-"""Builds one step's flat batch from the scheduler output and runs the model."""
+"""Owns the KV storage, builds one step's flat batch and its geometry from the scheduler
+output and the cache manager's plain data, and runs the model."""
 from __future__ import annotations
 
 import torch
 
 from headwise.cache.manager import KVCacheManager
+from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
+from headwise.layers.backend import attention_backend
 from headwise.layers.context import PrefillChunk, StepContext, set_context
+from headwise.layers.window_geometry import ring_index, window_chunk
 from headwise.models.llama import CausalLM
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, cache: KVCacheManager,
-                 device: torch.device | str = "cpu", backend: str = "torch") -> None:
+    def __init__(self, model: CausalLM, cache: KVCacheManager, dtype: torch.dtype,
+                 device: torch.device | str = "cpu", backend: str = "torch",
+                 window_positions: str = "original") -> None:
         self.model = model
         self.cache = cache
+        self.dtype = dtype
         self.device = torch.device(device)
-        # "triton" kernels read pages through block tables; "torch" reads slot lists/runs.
-        self.backend = backend
-        cache.bind(model.attention_layers(), backend)
+        self.backend = attention_backend(backend)
+        self.group_size = model.config.group_size
+        self.rebased = window_positions == "rebased"
+        self.window_kinds = cache.geometry.window_kinds()
+        self.kv = KVStorage(cache.geometry, cache.num_blocks, cache.num_ring_slots, self.device)
+        for l, attn in enumerate(model.attention_layers()):
+            attn.bind(*self.kv.layer_views(l), self.backend)
 
     def run(self, scheduled: list[tuple[Sequence, int]],
             all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
@@ -26,52 +36,8 @@ class ModelRunner:
 
         With all_logits, logits of every token of the step come back instead, in the
         step's token order (decodes first); used by evaluation (perplexity) and tests."""
-        # Decode-shaped entries (one new token on top of cached context) go first and are
-        # batched together; prefill chunks follow, each attended on its own.
-        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
-        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
-        ordered = decodes + prefills
-        full, ring = self.cache.full, self.cache.ring
-        dev, tables = self.device, self.backend == "triton" and full.num_heads > 0
-        ids, pos, slots, prefill_ctx = [], [], [], []
-        sampling_rows, sampling_seqs = [], []
-        offset = 0
-        for i, (seq, n) in enumerate(ordered):
-            start = seq.num_computed_tokens
-            ids.extend(seq.token_ids(start, start + n))
-            pos.extend(range(start, start + n))
-            # With the torch backend, prefill chunks after the first gather every earlier
-            # slot; the Triton kernel reads pages through the block table instead.
-            lo = 0 if (i >= len(decodes) and start > 0 and not tables) else start
-            seq_slots = (full.slots(seq.seq_id, lo, start + n) if full.num_heads
-                         else torch.zeros(start + n - lo, dtype=torch.int64))
-            slots.append(seq_slots[start - lo:])
-            if i >= len(decodes):
-                table = (torch.tensor(full.block_table(seq.seq_id), dtype=torch.int32, device=dev)
-                         if tables else None)
-                prefill_ctx.append(PrefillChunk(offset, start, n, seq_slots.to(dev),
-                                                ring.slot(seq.seq_id), table))
-            offset += n
-            if start + n == seq.num_tokens:
-                sampling_rows.append(offset - 1)
-                sampling_seqs.append(seq)
-        ctx = StepContext(
-            positions=torch.tensor(pos, dtype=torch.int64, device=dev),
-            full_slots=torch.cat(slots).to(dev),
-            num_decode=len(decodes),
-            prefills=prefill_ctx,
-        )
-        if decodes:
-            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            ctx.decode_lens = torch.tensor(lens, device=dev)
-            ctx.decode_ring_slots = torch.tensor([ring.slot(s.seq_id) for s, _ in decodes], device=dev)
-            if tables:
-                rows = [full.block_table(s.seq_id) for s, _ in decodes]
-                width = max(map(len, rows))
-                ctx.decode_block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows],
-                                                       dtype=torch.int32, device=dev)
-            elif full.num_heads:
-                ctx.decode_runs = [full.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
+        ctx, ids, sampling_rows, sampling_seqs = self._context(scheduled)
+        dev = self.device
         set_context(ctx)
         try:
             rows = (torch.arange(len(ids), device=dev) if all_logits
@@ -80,3 +46,58 @@ class ModelRunner:
         finally:
             set_context(None)
         return logits.float().cpu(), sampling_seqs
+
+    def _context(self, scheduled: list[tuple[Sequence, int]]):
+        # Decode-shaped entries (one new token on top of cached context) go first and are
+        # batched together; prefill chunks follow, each attended on its own.
+        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
+        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        cache, dev, paged = self.cache, self.device, self.backend.PAGED
+        tables = paged and cache.has_full_heads
+        ids, pos, slots, chunks = [], [], [], []
+        sampling_rows, sampling_seqs = [], []
+        offset = 0
+        for i, (seq, n) in enumerate(decodes + prefills):
+            start, sid = seq.num_computed_tokens, seq.seq_id
+            ids.extend(seq.token_ids(start, start + n))
+            pos.extend(range(start, start + n))
+            is_prefill = i >= len(decodes)
+            # With the torch backend, prefill chunks after the first gather every earlier
+            # slot; the Triton kernel reads pages through the block table instead.
+            lo = 0 if (is_prefill and start > 0 and not tables) else start
+            seq_slots = cache.slot_mapping(sid, lo, start + n)
+            slots.extend(seq_slots[start - lo:])
+            if is_prefill:
+                table = (torch.tensor(cache.block_table(sid), dtype=torch.int32, device=dev)
+                         if tables else None)
+                ch = PrefillChunk(offset, start, n, torch.tensor(seq_slots, dtype=torch.int64, device=dev),
+                                  cache.ring_slot(sid), table)
+                for sink, window in self.window_kinds:
+                    ch.window[(sink, window)] = window_chunk(start, n, sink, window, self.group_size,
+                                                             self.dtype, dev, for_kernels=paged)
+                chunks.append(ch)
+            offset += n
+            if start + n == seq.num_tokens:
+                sampling_rows.append(offset - 1)
+                sampling_seqs.append(seq)
+        positions = torch.tensor(pos, dtype=torch.int64, device=dev)
+        ctx = StepContext(positions=positions, full_slots=torch.tensor(slots, dtype=torch.int64, device=dev),
+                          block_size=cache.block_size, num_decode=len(decodes), prefills=chunks)
+        if decodes:
+            B = len(decodes)
+            ctx.decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes], device=dev)
+            ctx.decode_ring_slots = torch.tensor([cache.ring_slot(s.seq_id) for s, _ in decodes], device=dev)
+            for sink, window in self.window_kinds:
+                ctx.decode_ring_index[(sink, window)] = ring_index(positions[:B], sink, window)
+            if tables:
+                rows = [cache.block_table(s.seq_id) for s, _ in decodes]
+                width = max(map(len, rows))
+                ctx.decode_block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows],
+                                                       dtype=torch.int32, device=dev)
+            elif cache.has_full_heads:
+                ctx.decode_runs = [cache.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
+        if self.rebased:
+            rotary = self.model.model.rotary
+            ctx.sink_rope = {(sink, window): rotary.back_tables((positions - (sink + window - 1)).clamp(min=0))
+                             for sink, window in self.window_kinds}
+        return ctx, ids, sampling_rows, sampling_seqs

@@ -1,8 +1,9 @@
-"""Per-request state: tokens, progress, outputs and stop handling."""
+"""Per-request state: tokens, progress, outputs, timings."""
 from __future__ import annotations
 
 import enum
 import itertools
+import time
 
 import torch
 
@@ -33,10 +34,16 @@ class Sequence:
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.output_text = ""
+        self.detokenizer = None  # an IncrementalDetokenizer, made by the engine on the first token
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
+        # time.perf_counter() stamps: arrival, first token, every token, finish.
+        self.arrival_time = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.token_times: list[float] = []
+        self.finish_time: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -54,8 +61,18 @@ class Sequence:
         p = self.num_prompt_tokens
         if end <= p:
             return self.prompt_token_ids[start:end]
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        if start >= p:
+            return self.output_token_ids[start - p:end - p]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
 
     @property
     def is_finished(self) -> bool:
         return self.status == SeqStatus.FINISHED
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency_s(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time

@@ -1,12 +1,17 @@
 """Runs the evaluation over several layouts (plus baselines) and writes the outputs."""
 from __future__ import annotations
 
-from headwise.cache.layout import DEFAULT_SINK, HeadLayout
-from headwise.evaluation import runner
+import torch
+from tqdm import tqdm
 
+from headwise.cache.layout import DEFAULT_SINK, HeadLayout, resolve_layout
+from headwise.cache.spec import CacheGeometry, KVClassSpec
+from headwise.evaluation import runner
+from headwise.layouts import shipped_layout
+from headwise.llm import LLM
 
 # Prompts run one at a time (two for agreement): few ring slots, so the wide-window
-# baseline still fits the budget.
+# baseline still fits the budget; one chunk per prompt.
 EVAL_ENGINE_OPTIONS = dict(kv_cache_memory=1 << 30, max_num_batched_tokens=8192, max_num_seqs=2)
 
 
@@ -16,16 +21,14 @@ def _name(spec, layout: HeadLayout) -> str:
     return layout.name
 
 
-def equal_bytes_window(layout: HeadLayout, length: int, dtype_bytes: int = 4,
+def equal_bytes_window(layout: HeadLayout, length: int, dtype: torch.dtype = torch.float32,
                        block_size: int = 16) -> HeadLayout:
-    """All-window layout (StreamingLLM) whose KV bytes at `length` match `layout`'s."""
+    """All-window layout (StreamingLLM) whose KV bytes at `length` match `layout`'s
+    (KV of both classes in `dtype`)."""
     L, H, D = layout.shape
-    per_token = 2 * D * dtype_bytes
-    full_heads = sum(layout.num_full(l) for l in range(L))
-    blocks = -(-length // block_size)
-    total = full_heads * blocks * block_size * per_token
-    total += sum(s.ring_size for row in layout.heads for s in row) * per_token
-    ring = total // (L * H * per_token)
+    full, window = KVClassSpec("full", dtype, D), KVClassSpec("window", dtype, D)
+    total = CacheGeometry.from_layout(layout, block_size, full, window).seq_bytes(length)
+    ring = total // (L * H * window.bytes_per_head_token)
     sink = min(DEFAULT_SINK, ring // 4)
     out = HeadLayout.window(layout.shape, sink=sink, window=max(1, ring - sink), model=layout.model)
     out.name = "window-same-KV"
@@ -33,30 +36,23 @@ def equal_bytes_window(layout: HeadLayout, length: int, dtype_bytes: int = 4,
 
 
 def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir,
-             rebased: bool = False):
+             rebased: bool = False, engine_options: dict | None = None):
     """rebased: also run every layout with window heads under StreamingLLM-style re-based
-    rotary positions (named "<layout>+rebased"), to measure that choice."""
-    from tqdm import tqdm
-
-    from headwise import LLM
-
+    rotary positions (named "<layout>+rebased"), to measure that choice.
+    engine_options: keyword arguments of every LLM built (default EVAL_ENGINE_OPTIONS)."""
     specs = list(layout_specs or [])
-    opts = dict(EVAL_ENGINE_OPTIONS)
+    opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
     ref = LLM(model, head_layout="full", **opts)
-    shape = ref.layout.shape
+    shape, model_name = ref.layout.shape, ref.engine.model_name
     if not specs:
-        from headwise.layouts import shipped_layout
-
-        shipped = shipped_layout(ref.engine.model_name, shape)
+        shipped = shipped_layout(model_name, shape)
         specs = ["full"] + ([shipped] if shipped is not None else [])
     if "full" not in specs:
         specs = ["full"] + specs
     plan: list[tuple[str, HeadLayout, list[int], dict]] = []
     split = None
     for spec in specs:
-        lay = spec if isinstance(spec, HeadLayout) else (
-            HeadLayout.full(shape) if spec == "full" else HeadLayout.window(shape) if spec == "window"
-            else HeadLayout.load(spec))
+        lay = resolve_layout(spec, shape, model_name)
         plan.append((_name(spec, lay), lay, lengths, {}))
         if rebased and lay.full_fraction < 1:
             plan.append((_name(spec, lay) + "+rebased", lay, lengths, {"window_positions": "rebased"}))
@@ -66,14 +62,14 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
         plan.append((f"random-{split.full_fraction:.0%}",
                      HeadLayout.random(shape, split.full_fraction, seed=0), lengths, {}))
         for L in lengths:
-            plan.append(("window-same-KV", equal_bytes_window(split, L), [L], {}))
+            plan.append(("window-same-KV", equal_bytes_window(split, L, ref.engine.dtype), [L], {}))
     per_length = (5 * sum(t in task_names for t in ("passkey", "niah")) * seeds
                   + (3 * max(3, seeds) if "ruler" in task_names else 0)
                   + ("ppl" in task_names) + ("agreement" in task_names))
     bar = tqdm(total=per_length * sum(len(ls) for _, _, ls, _ in plan), desc="evaluating", unit="prompt")
     records, full_outputs = [], None
     for name, lay, ls, extra in plan:
-        llm = ref if name == "full" else LLM(model, head_layout=lay, **opts, **extra)
+        llm = ref if name == "full" else LLM(model, **{**opts, "head_layout": lay, **extra})
         recs, outs = runner.evaluate_layout(llm, name, task_names, ls, seeds,
                                             None if name == "full" else full_outputs, bar)
         if name == "full":

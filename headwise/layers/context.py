@@ -1,7 +1,8 @@
-"""Per-step batch metadata that attention layers read (set by the model runner).
+"""Per-step batch metadata that attention layers read (built by the model runner).
 
 Token order in a step: the decode tokens of all decoding sequences first, then each
-prefill chunk in turn. Every tensor here is built once per step, never per layer.
+prefill chunk in turn. Everything here is plain data built once per step, never per
+layer: slot ids, block tables, ring slots, and the window heads' geometry.
 """
 from __future__ import annotations
 
@@ -9,33 +10,41 @@ from dataclasses import dataclass, field
 
 import torch
 
+from headwise.layers.window_geometry import WindowChunk
+
+WindowKind = tuple[int, int]  # (sink, window)
+
 
 @dataclass
 class PrefillChunk:
     offset: int            # index of the chunk's first token in the flat batch
     start: int             # position of the chunk's first token in its sequence
     length: int            # number of tokens in the chunk
-    slots: torch.Tensor    # full-pool slots of positions [0, start + length) if start > 0,
-                           # else of the chunk only
+    slots: torch.Tensor    # full-pool slots of positions [0, start + length) if start > 0
+                           # (torch backend), else of the chunk only
     ring_slot: int         # the sequence's slot in the window-head ring pool
     block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
-    # Window-head attention biases of this chunk, built by the first layer that needs them
-    # and reused by the rest (keyed by sink, window, group size, dtype).
-    window_biases: dict = field(default_factory=dict)
-    # Window-head ring writes of this chunk (positions, surviving rows, ring slots), keyed
-    # by (sink, window); built once, like the biases.
-    ring_writes: dict = field(default_factory=dict)
+    window: dict[WindowKind, WindowChunk] = field(default_factory=dict)
+
+    @property
+    def rows(self) -> slice:
+        return slice(self.offset, self.offset + self.length)
 
 
 @dataclass
 class StepContext:
     positions: torch.Tensor                 # [T] int64
     full_slots: torch.Tensor                # [T] int64 flat slot (block * block_size + offset)
+    block_size: int = 16                    # tokens per full-pool block
     num_decode: int = 0
     decode_runs: list[list[tuple[int, int]]] | None = None  # per sequence: (first slot, length)
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend)
+    decode_ring_index: dict[WindowKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
+    # Re-based (StreamingLLM) positions only: per (sink, window), rotary tables (cos, sin)
+    # [T, 1, D/2] turning each query back by max(0, p - (sink + window - 1)) for sink keys.
+    sink_rope: dict[WindowKind, tuple[torch.Tensor, torch.Tensor]] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
 
 

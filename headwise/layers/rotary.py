@@ -48,19 +48,18 @@ class RotaryEmbedding(nn.Module):
     def apply(tables: tuple[torch.Tensor, torch.Tensor], q: torch.Tensor, k: torch.Tensor):
         # q: [T, Hq, D], k: [T, Hkv, D] rotated by tables (see tables())
         cos, sin = tables
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return rotate(q, cos, sin), rotate(k, cos, sin)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         return self.apply(self.tables(positions), q, k)
 
-    def shift_back(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
-        """x [T, H, D], already rotated to positions p, rotated to positions p - delta[T]."""
-        cos = self.cos[delta].unsqueeze(1)
-        sin = -self.sin[delta].unsqueeze(1)  # a rotation by -delta
-        return _rotate(x, cos, sin)
+    def back_tables(self, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) [T, 1, D/2] that turn x [T, H, D], rotated to positions p, to
+        positions p - delta[T] (see rotate)."""
+        return self.cos[delta].unsqueeze(1), -self.sin[delta].unsqueeze(1)  # a rotation by -delta
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)

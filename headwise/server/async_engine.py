@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 from dataclasses import dataclass
 
 from headwise.engine.llm_engine import LLMEngine
@@ -68,7 +67,6 @@ class AsyncEngine:
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
         seq = Sequence(prompt_ids, params, request_id)
-        seq.arrival_time, seq.first_token_time, seq.token_times = time.perf_counter(), None, []
         handle = _Handle(seq, asyncio.get_running_loop())
         self._pending_adds += 1
         self._commands.put(("add", handle))

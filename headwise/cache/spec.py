@@ -1,0 +1,117 @@
+"""What the cache stores, described once: per head class (dtype, bytes per token) and
+the whole cache's geometry (which heads of which layer live where, how many blocks and
+ring slots the budget buys). The manager computes it; the runner allocates storage from
+it; accounting (kv_bytes, usage, admission) reads it. Nothing here holds a tensor.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from headwise.cache.layout import HeadLayout
+
+
+@dataclass(frozen=True)
+class KVClassSpec:
+    """Storage of one head class. Both classes may later differ in dtype (and gain scale
+    storage, counted here), so every byte figure of a class comes from this one place."""
+    name: str              # "full" | "window"
+    dtype: torch.dtype
+    head_dim: int
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_head_token(self) -> int:
+        """K and V of one token of one head."""
+        return 2 * self.head_dim * self.element_size
+
+
+@dataclass(frozen=True)
+class WindowGroupSpec:
+    """A run of window heads of one layer sharing (sink, window), contiguous in storage
+    order (see HeadLayout.head_order)."""
+    kv_start: int          # first KV head of the group within the layer (storage order)
+    kv_end: int
+    sink: int
+    window: int
+    offset: int            # element offset of the group within one ring slot's K (or V)
+
+    @property
+    def num_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+    @property
+    def ring_size(self) -> int:
+        return self.sink + self.window
+
+
+@dataclass(frozen=True)
+class CacheGeometry:
+    """Where every head's KV lives. Full heads: one paged pool [F, num_blocks *
+    block_size, D] for K and one for V, layer l owning heads [full_offset[l],
+    full_offset[l] + num_full[l]). Window heads: per ring slot, ring_elems elements of K
+    then of V, laid out group by group (see RingStorage in the runner)."""
+    block_size: int
+    num_full: tuple[int, ...]                      # [L] full KV heads per layer
+    full_offset: tuple[int, ...]                   # [L] first full head of layer l in the pool
+    groups: tuple[tuple[WindowGroupSpec, ...], ...]  # [L] window groups per layer
+    full: KVClassSpec
+    window: KVClassSpec
+
+    @classmethod
+    def from_layout(cls, layout: HeadLayout, block_size: int, full: KVClassSpec,
+                    window: KVClassSpec) -> "CacheGeometry":
+        num_full, offsets, groups = [], [], []
+        F = E = 0
+        for l in range(layout.num_layers):
+            nf = layout.num_full(l)
+            offsets.append(F)
+            num_full.append(nf)
+            F += nf
+            order = layout.head_order(l)
+            runs: list[list[int]] = []  # [kv_start, kv_end, sink, window]
+            for pos in range(nf, len(order)):
+                s = layout.heads[l][order[pos]]
+                if runs and (runs[-1][2], runs[-1][3]) == (s.sink, s.window):
+                    runs[-1][1] = pos + 1
+                else:
+                    runs.append([pos, pos + 1, s.sink, s.window])
+            layer_groups = []
+            for a, b, sink, win in runs:
+                layer_groups.append(WindowGroupSpec(a, b, sink, win, E))
+                E += (b - a) * (sink + win) * layout.head_dim
+            groups.append(tuple(layer_groups))
+        return cls(block_size, tuple(num_full), tuple(offsets), tuple(groups), full, window)
+
+    @property
+    def total_full_heads(self) -> int:
+        return sum(self.num_full)
+
+    @property
+    def ring_elems(self) -> int:
+        """Elements of K (or of V) in one ring slot, every window head of every layer."""
+        return sum(g.num_heads * g.ring_size for gs in self.groups for g in gs) * self.window.head_dim
+
+    @property
+    def block_bytes(self) -> int:
+        """One block: block_size tokens of every full head of every layer, K and V."""
+        return self.total_full_heads * self.block_size * self.full.bytes_per_head_token
+
+    @property
+    def ring_bytes(self) -> int:
+        """One ring slot: sink + window tokens of every window head, K and V."""
+        return 2 * self.ring_elems * self.window.element_size
+
+    def seq_bytes(self, num_tokens: int) -> int:
+        """KV bytes one sequence of `num_tokens` tokens holds: its blocks and its ring."""
+        blocks = -(-num_tokens // self.block_size) if self.total_full_heads else 0
+        return blocks * self.block_bytes + self.ring_bytes
+
+    def window_kinds(self) -> list[tuple[int, int]]:
+        """Distinct (sink, window) pairs of the layout: per-step geometry is built once
+        for each, not per layer."""
+        return sorted({(g.sink, g.window) for gs in self.groups for g in gs})

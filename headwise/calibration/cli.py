@@ -1,0 +1,79 @@
+"""Argument handling for `headwise calibrate`."""
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
+from headwise.calibration.calibrate import calibrate, select_from_scores
+from headwise.config import add_engine_args, engine_options
+from headwise.evaluation.cli import int_list
+
+
+def add_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="find which KV heads stay full; write a layout JSON")
+    p.add_argument("--out", required=True, help="layout JSON to write")
+    p.add_argument("--full-fraction", type=float, default=0.25)
+    p.add_argument("--sink", type=int, default=DEFAULT_SINK)
+    p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--samples", type=int, default=24, help="calibration prompts")
+    p.add_argument("--lengths", default="1024,2048,3072", help="prompt lengths in tokens, comma-separated")
+    p.add_argument("--rounds", type=int, default=2, help="re-scoring rounds with the split in place")
+    p.add_argument("--plot", default=None, help="PNG heatmap of per-head scores (layers x heads)")
+    p.add_argument("--from-scores", default=None, metavar="LAYOUT",
+                   help="re-select from the scores stored in a calibrated layout (no model run)")
+    p.add_argument("--name", default=None, help="name written into the layout")
+    add_engine_args(p, exclude=("head_layout",))
+    p.set_defaults(func=cmd_calibrate)
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    if not out.parent.is_dir():
+        raise ValueError(f"output directory {str(out.parent)!r} does not exist")
+    if args.from_scores:
+        layout = select_from_scores(HeadLayout.load(args.from_scores), args.full_fraction,
+                                    args.sink, args.window, args.name)
+        how = f"selected from the scores in {args.from_scores}"
+    else:
+        t0 = time.perf_counter()
+        layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
+                           num_samples=args.samples, lengths=int_list(args.lengths, "--lengths"),
+                           rounds=args.rounds,
+                           engine_options=engine_options(args, exclude=("model", "head_layout")))
+        if args.name:
+            layout.name = args.name
+        how = f"calibrated in {time.perf_counter() - t0:.0f}s"
+    layout.save(out)
+    print(f"wrote {out}: {layout.full_fraction:.1%} of KV heads full "
+          f"({sum(layout.num_full(l) for l in range(layout.num_layers))} of "
+          f"{layout.num_layers * layout.num_kv_heads}), {how}")
+    if args.plot:
+        plot_scores(layout, args.plot)
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def plot_scores(layout: HeadLayout, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import torch
+
+    s = torch.tensor(layout.scores)
+    fig, ax = plt.subplots(figsize=(2 + 0.6 * layout.num_kv_heads, 1 + 0.22 * layout.num_layers))
+    im = ax.imshow(s.numpy(), cmap="viridis", aspect="auto")
+    for l in range(layout.num_layers):
+        for h in range(layout.num_kv_heads):
+            if layout.heads[l][h].kind == "full":
+                ax.text(h, l, "F", ha="center", va="center", color="white", fontsize=7)
+    ax.set_xlabel("KV head")
+    ax.set_ylabel("layer")
+    ax.set_title("head scores (F = full)")
+    fig.colorbar(im, ax=ax)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,54 @@
+"""Incremental detokenization and stop strings, with bounded work per token.
+
+Decoding a request's whole output again for every new token is quadratic in its length.
+As vLLM does, only a short tail is decoded per step: the tokens since `prefix_offset`,
+whose text up to `read_offset` was already emitted; the difference is the new text. A
+tail that ends inside a UTF-8 character (decodes to U+FFFD) is held back until the
+character completes. Stop strings are searched only where a match can end in new text.
+"""
+from __future__ import annotations
+
+
+class IncrementalDetokenizer:
+    def __init__(self, tokenizer, stop: list[str]) -> None:
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.max_stop = max((len(s) for s in stop), default=0)
+        self.prefix_offset = 0  # tokens before it are done
+        self.read_offset = 0    # text of tokens [prefix_offset, read_offset) is emitted
+        self.text = ""
+
+    def _tail(self, token_ids: list[int], end: int) -> str:
+        return self.tokenizer.decode(token_ids[self.prefix_offset:end])
+
+    def step(self, token_ids: list[int]) -> bool:
+        """Take the output so far (one new token since the last call); extend `text`.
+        Returns True when a stop string matched (`text` then ends before it)."""
+        prefix = self._tail(token_ids, self.read_offset)
+        full = self._tail(token_ids, len(token_ids))
+        if len(full) <= len(prefix) or full.endswith("\ufffd"):
+            return False  # nothing printable yet (a half-decoded character)
+        new = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
+        return self._append(new)
+
+    def flush(self, token_ids: list[int]) -> None:
+        """At the end: emit whatever is held back, a partial character included."""
+        prefix = self._tail(token_ids, self.read_offset)
+        full = self._tail(token_ids, len(token_ids))
+        if len(full) > len(prefix):
+            self._append(full[len(prefix):])
+        self.prefix_offset = self.read_offset = len(token_ids)
+
+    def _append(self, new: str) -> bool:
+        old = len(self.text)
+        self.text += new
+        if not self.stop:
+            return False
+        # A match must end in the new text: scan from max_stop - 1 characters before it.
+        lo = max(0, old - self.max_stop + 1)
+        hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
+        if not hits:
+            return False
+        self.text = self.text[: min(hits)]
+        return True

@@ -1,0 +1,192 @@
+"""The PyTorch attention backend (CPU, and any device without Triton).
+
+Four functions, one per (head class, operation), with the same signatures as the Triton
+backend's (headwise.layers.triton_backend):
+    full_decode(q, k_cache, v_cache, ctx, scale)                -> [B, nf*g, D]
+    full_prefill(q, k, v, k_cache, v_cache, ctx, chunk, scale)  -> [c, nf*g, D]
+    window_decode(q, wg, ctx, q_sink, scale)                    -> [B, n*g, D]
+    window_prefill(q, k, v, wg, ctx, chunk, q_sink, scale)      -> [c, n*g, D]
+The layer has already written the step's full-head K/V into the pool and the decode
+tokens' window-head K/V into the rings; prefill ring writes follow the call.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headwise.layers.attention import WindowGroup
+from headwise.layers.context import PrefillChunk, StepContext
+
+NAME = "torch"
+# Full heads read slot runs and gathered slots; window heads read band masks.
+PAGED = False
+
+
+# ---- full heads: paged blocks -----------------------------------------------------
+def full_decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+    # q: [B, nf*g, D]; k_cache, v_cache: [nf, slots, D]. A sequence whose slots form one
+    # run attends over a view of the pool (no copy); scattered runs are concatenated
+    # first. Its g query heads per KV head are the query rows of one fused SDPA call (in
+    # bfloat16 ~3x faster on CPU than matmul + softmax + matmul).
+    B, H, D = q.shape
+    nf = k_cache.shape[0]
+    out = torch.empty_like(q)
+    for i in range(B):
+        r = ctx.decode_runs[i]
+        if len(r) == 1:
+            a, n = r[0]
+            k, v = k_cache[:, a:a + n], v_cache[:, a:a + n]  # [nf, L, D]
+        else:
+            k = torch.cat([k_cache[:, a:a + n] for a, n in r], 1)
+            v = torch.cat([v_cache[:, a:a + n] for a, n in r], 1)
+        o = F.scaled_dot_product_attention(q[i].view(1, nf, H // nf, D), k[None], v[None], scale=scale)
+        out[i] = o.view(H, D)
+    return out
+
+
+def full_prefill(q, k, v, k_cache, v_cache, ctx: StepContext, ch: PrefillChunk,
+                 scale: float) -> torch.Tensor:
+    # q: [c, nf*g, D]; k, v: [c, nf, D], the chunk's own keys (already in the pool too).
+    qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, c, D]
+    if ch.start == 0:
+        kk = k.transpose(0, 1).unsqueeze(0)  # [1, nf, c, D]
+        vv = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        kk = k_cache.index_select(1, ch.slots).unsqueeze(0)  # [1, nf, start + c, D]
+        vv = v_cache.index_select(1, ch.slots).unsqueeze(0)
+        qpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
+        mask = torch.arange(ch.start + ch.length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+# ---- window heads: sink + recent ring ------------------------------------------------
+def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | None,
+                  scale: float) -> torch.Tensor:
+    # q: [B, n*g, D]. When most ring slots are busy, attend over every slot of the group
+    # in one batched matmul on the ring itself (no copy); otherwise gather the B rings.
+    # q_sink: the query for the sink entries under re-based positions (else None).
+    slots, lens = ctx.decode_ring_slots, ctx.decode_lens
+    B, H, D = q.shape
+    S, n, R, _ = wg.k_ring.shape
+    if q_sink is None and B <= 2 and bool((lens >= R).all()):
+        # One or two sequences whose rings are full (no mask): fused SDPA on each ring in
+        # place, 2.6x faster at one sequence (bfloat16, R = 576); slower from ~8.
+        out = torch.empty_like(q)
+        for i, s in enumerate(slots.tolist()):
+            out[i] = F.scaled_dot_product_attention(
+                q[i].view(1, n, H // n, D), wg.k_ring[s:s + 1], wg.v_ring[s:s + 1], scale=scale).view(H, D)
+        return out
+    qs = q_sink
+    if 2 * B >= S:
+        qa = q.new_zeros(S, H, D)
+        qa[slots] = q
+        if q_sink is not None:
+            qs = q.new_zeros(S, H, D)
+            qs[slots] = q_sink
+        la = torch.ones(S, dtype=torch.int64, device=q.device)  # idle slots: one finite (ignored) key
+        la[slots] = lens
+        kk, vv, rows = wg.k_ring, wg.v_ring, slots
+    else:
+        qa, la = q, lens
+        kk, vv, rows = wg.k_ring.index_select(0, slots), wg.v_ring.index_select(0, slots), None
+    valid = torch.arange(R, device=q.device)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
+    s = torch.matmul(qa.view(-1, n, H // n, D), kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
+    if qs is not None:  # ring entries [0, sink) hold the sink tokens
+        sk = wg.sink
+        s[..., :sk] = torch.matmul(qs.view(-1, n, H // n, D), kk[:, :, :sk].transpose(-1, -2)).float() * scale
+    s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv).reshape(-1, H, D)
+    return o if rows is None else o[rows]
+
+
+def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
+                   q_sink: torch.Tensor | None, scale: float) -> torch.Tensor:
+    # q: [c, n*g, D]; k, v: [c, n, D] -> [c, n*g, D]. The ring still holds what earlier
+    # chunks left (this chunk is written after the call).
+    # A prompt's first sink + W positions see every earlier token, so those rows (q0 of
+    # them) are plain causal attention, computed as such (no band overlap, no masks).
+    # Every later query p sees two disjoint key sets, attended separately and merged
+    # by their log-sum-exp:
+    #   band: positions (p - W, p], read as overlapping strided views (no gather);
+    #   sinks: positions s < sink with s <= p - W (the sinks the band has left).
+    c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
+    geo = ch.window[(sink, W)]
+    k_ring, v_ring = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
+    n, D = k.shape[1], k.shape[2]
+    g = q.shape[1] // n
+    q0 = geo.causal_rows
+    out = q.new_empty(q.shape)
+    if q0:
+        o = F.scaled_dot_product_attention(
+            q[:q0].transpose(0, 1)[None], k[:q0].transpose(0, 1)[None], v[:q0].transpose(0, 1)[None],
+            is_causal=True, scale=scale, enable_gqa=True)  # [1, n*g, q0, D]
+        out[:q0] = o[0].transpose(0, 1)
+        if q0 == c:
+            return out
+    # Band rows: positions [s2, s2 + c2) of the chunk's rows [q0, c).
+    s2, c2 = start + q0, c - q0
+    masks = geo.masks
+    Bq, nb = masks.block, masks.num_blocks
+    S = W + Bq  # keys of block b: positions s2 + b*Bq - W + [0, S)
+    # Keys of positions [base, s2 + nb*Bq), base = s2 - W; zero where no token exists.
+    base = s2 - W
+    kp = k.new_zeros(n, W + nb * Bq, D)
+    vp = v.new_zeros(n, W + nb * Bq, D)
+    lo = max(0, base)
+    if lo < start:  # earlier context: the ring holds every position in [lo, start)
+        ridx = wg.ring_index(torch.arange(lo, start, device=q.device))
+        kp[:, lo - base:start - base] = k_ring[:, ridx]
+        vp[:, lo - base:start - base] = v_ring[:, ridx]
+    a = max(lo, start)  # first position read from the chunk itself
+    kp[:, a - base:start + c - base] = k[a - start:].transpose(0, 1)
+    vp[:, a - base:start + c - base] = v[a - start:].transpose(0, 1)
+    sn, st, sd = kp.stride()
+    kb = kp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))  # [n, nb, S, D] overlapping
+    vb = vp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))
+    # GQA without copying keys: a block's g query heads of one KV head are its rows.
+    qb = F.pad(q[q0:], (0, 0, 0, 0, 0, nb * Bq - c2)).view(nb, Bq, n, g, D)
+    qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
+    nh = masks.head.shape[1]  # blocks reaching before position 0 (their padding masked)
+    o = q.new_empty(n, nb, g * Bq, D)
+    lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
+    if nh:
+        o[:, :nh], lse[:, :nh] = attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], masks.head, scale)
+    if nh < nb:
+        o[:, nh:], lse[:, nh:] = attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], masks.band, scale)
+    band = out[q0:]
+    band.copy_(o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c2])
+    sink_bias = masks.sinks
+    if sink_bias is None:  # no band row sees a sink outside its band
+        return out
+    ns = sink_bias.shape[-1]
+    cq = sink_bias.shape[-2] // g
+    r0 = c2 - cq  # first band row with p - W >= 0: it sees sink 0 outside its band
+    n_ring = min(ns, start)  # sinks before the chunk are in the ring, the rest in k
+    sk = torch.cat([k_ring[:, :n_ring], k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
+    sv = torch.cat([v_ring[:, :n_ring], v[: ns - n_ring].transpose(0, 1)], 1)
+    qs = (q if q_sink is None else q_sink)[q0 + r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
+    o2, l2 = attend(qs, sk[:, None], sv[:, None], sink_bias, scale)
+    o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)
+    l2 = l2.view(n, g, cq).permute(2, 0, 1).reshape(cq, n * g)
+    l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c2]
+    # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1)
+    w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]
+    band[r0:] += w * (o2 - band[r0:])
+    return out
+
+
+def attend(q, k, v, bias: torch.Tensor, scale: float,
+           fused: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention with its log-sum-exp. q: [B, H, L, D]; k, v: [B, H, S, D]; bias: additive
+    (see window_geometry.bias), broadcastable to [B, H, L, S], every row with a finite
+    entry. Returns out [B, H, L, D] and lse [B, H, L] (float32). fused (default: on CPU)
+    uses PyTorch's fused CPU kernel, which returns the lse it computes."""
+    if q.device.type == "cpu" if fused is None else fused:
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q, k, v, attn_mask=bias.expand(*q.shape[:-1], k.shape[-2]), scale=scale)
+        return o, lse.float()
+    s = torch.matmul(q, k.transpose(-1, -2)).float() * scale + bias
+    lse = torch.logsumexp(s, dim=-1)
+    return torch.matmul(torch.exp(s - lse[..., None]).to(v.dtype), v), lse
