@@ -46,3 +46,50 @@ def test_prompt_too_long_and_bad_layout(tiny_models, tmp_path):
     r = run("generate", "--model", str(tiny_models["llama"]), "--prompt", "word " * 200,
             "--max-model-len", "64")
     assert r.returncode != 0 and "maximum context length is 64" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_engine_flags_come_from_engine_config():
+    """Every EngineConfig field is a flag of every engine-building command, with the
+    config's default, and parses back into LLM keyword arguments."""
+    from dataclasses import fields
+
+    from headwise.cli import build_parser
+    from headwise.config import EngineConfig, engine_options
+
+    parser = build_parser()
+    names = [f.name for f in fields(EngineConfig)]
+    for cmd in ("generate", "demo", "serve", "eval", "calibrate"):
+        extra = {"generate": ["--prompt", "x"], "calibrate": ["--out", "l.json"]}.get(cmd, [])
+        args = parser.parse_args([cmd, *extra])
+        skip = ("head_layout",) if cmd in ("eval", "calibrate") else ()
+        for n in names:
+            if n in skip:
+                continue
+            want = 256 if (cmd, n) == ("serve", "max_queue") else None
+            if cmd == "eval" and n in ("kv_cache_memory", "max_num_batched_tokens", "max_num_seqs"):
+                continue  # eval's own defaults (EVAL_ENGINE_OPTIONS)
+            default = next(f.default for f in fields(EngineConfig) if f.name == n)
+            assert getattr(args, n) == (want if want is not None else default), (cmd, n)
+    args = parser.parse_args(["generate", "--prompt", "x", "--block-size", "8", "--window-positions",
+                              "rebased", "--num-threads", "1", "--kv-cache-memory", "4096"])
+    opts = engine_options(args)
+    assert opts["block_size"] == 8 and opts["window_positions"] == "rebased"
+    assert opts["num_threads"] == 1 and opts["kv_cache_memory"] == 4096 and "model" not in opts
+    EngineConfig.from_options(None, opts)  # every parsed option is a valid config field
+    with pytest.raises(SystemExit):
+        parser.parse_args(["generate", "--prompt", "x", "--dtype", "float64"])
+
+
+def test_attention_backends_share_signatures():
+    """One function per (operation, backend), the same signature in both backends."""
+    import inspect
+
+    from headwise.layers.backend import attention_backend
+
+    pytest.importorskip("triton")
+    t, k = attention_backend("torch"), attention_backend("triton")
+    for name in ("full_decode", "full_prefill", "window_decode", "window_prefill"):
+        a, b = inspect.signature(getattr(t, name)), inspect.signature(getattr(k, name))
+        assert list(a.parameters) == list(b.parameters), name
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        attention_backend("cuda")

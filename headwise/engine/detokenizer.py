@@ -17,8 +17,12 @@ class IncrementalDetokenizer:
         self.prefix_offset = 0  # tokens before it are done
         self.read_offset = 0    # text of tokens [prefix_offset, read_offset) is emitted
         self.text = ""
+        # Work done so far, for tests that check it stays bounded per token.
+        self.tokens_decoded = 0
+        self.chars_scanned = 0
 
     def _tail(self, token_ids: list[int], end: int) -> str:
+        self.tokens_decoded += end - self.prefix_offset
         return self.tokenizer.decode(token_ids[self.prefix_offset:end])
 
     def step(self, token_ids: list[int]) -> bool:
@@ -47,6 +51,7 @@ class IncrementalDetokenizer:
             return False
         # A match must end in the new text: scan from max_stop - 1 characters before it.
         lo = max(0, old - self.max_stop + 1)
+        self.chars_scanned += (len(self.text) - lo) * len(self.stop)
         hits = [i for i in (self.text.find(s, lo) for s in self.stop) if i >= 0]
         if not hits:
             return False
