@@ -55,6 +55,8 @@ class EngineConfig:
     # "rebased" (StreamingLLM: distances as if evicted tokens were never there).
     window_positions: str = _opt("original", "rotary positions of window heads: original "
                                  "(DuoAttention) or rebased (StreamingLLM)", str, WINDOW_POSITIONS)
+    enable_prefix_caching: bool = _opt(True, "reuse the KV of prompt prefixes seen before (full-head "
+                                       "blocks and window-head state)", bool)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -63,6 +65,8 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("max_model_len", "max_queue", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):
@@ -140,9 +144,12 @@ def add_engine_args(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = 
     for f in fields(EngineConfig):
         if f.name in exclude:
             continue
-        meta = f.metadata
-        parser.add_argument("--" + f.name.replace("_", "-"), dest=f.name, default=f.default,
-                            type=meta["type"], choices=meta["choices"],
+        meta, flag = f.metadata, "--" + f.name.replace("_", "-")
+        if meta["type"] is bool:  # --x / --no-x
+            parser.add_argument(flag, dest=f.name, default=f.default, action=argparse.BooleanOptionalAction,
+                                help=meta["help"])
+            continue
+        parser.add_argument(flag, dest=f.name, default=f.default, type=meta["type"], choices=meta["choices"],
                             help=f"{meta['help']} (default: %(default)s)")
 
 

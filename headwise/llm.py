@@ -21,6 +21,7 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     num_preemptions: int
+    num_cached_tokens: int          # prompt tokens served from the prefix cache
 
     @classmethod
     def from_seq(cls, seq: Sequence) -> "RequestOutput":
@@ -36,6 +37,7 @@ class RequestOutput:
             ttft_s=seq.ttft_s,
             latency_s=seq.latency_s,
             num_preemptions=seq.num_preemptions,
+            num_cached_tokens=seq.num_cached_tokens or 0,
         )
 
 
@@ -102,6 +104,10 @@ class LLM:
 
     def cache_usage(self) -> dict[str, dict[str, float]]:
         return self.engine.cache.usage()
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the number of pages that held one."""
+        return self.engine.reset_prefix_cache()
 
     @property
     def layout(self):

@@ -40,7 +40,8 @@ def test_full_layout_block_tables_exact():
     assert m.slot_mapping(10, 6, 9) == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
     m.free(10)
     m.allocate(12, 16)
-    assert m.full.tables[12] == [4, 0, 1, 3]
+    # never-used block 4 first, then 10's blocks, tail first (a prefix outlives its tail)
+    assert m.full.tables[12] == [4, 3, 1, 0]
     m.free(11), m.free(12)
     assert m.full.blocks.num_free == 5 and m.usage()["full"]["used_bytes"] == 0
 

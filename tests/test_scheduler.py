@@ -63,7 +63,7 @@ def test_preempts_most_recent_and_recomputes():
     assert [q for q, _ in out.scheduled] == [a]
     assert b.status == SeqStatus.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b and s.num_preemptions == 1
-    assert cache.full.tables[a.seq_id] == [0, 1, 2]
+    assert cache.full.tables[a.seq_id] == [0, 1, 3]  # b freed tail first: its block 3
     s.finish(a)
     out = s.schedule()      # b comes back with prompt + generated token recomputed
     assert out.scheduled == [(b, 9)]

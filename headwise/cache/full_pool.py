@@ -1,7 +1,9 @@
 """Books of the paged pool for full heads: which blocks each sequence holds.
 
 One block holds `block_size` tokens for every full KV head of every layer, so a sequence
-needs a single block table. No tensors here: the runner owns the storage.
+needs a single block table. A table may start with blocks shared with other sequences
+(a prefix-cache hit); every block is released exactly once per holder. No tensors here:
+the runner owns the storage.
 """
 from __future__ import annotations
 
@@ -9,10 +11,10 @@ from headwise.cache.block_pool import BlockPool
 
 
 class FullHeadPool:
-    def __init__(self, num_blocks: int, block_size: int, block_bytes: int) -> None:
+    def __init__(self, blocks: BlockPool, block_size: int, block_bytes: int) -> None:
         self.block_size = block_size
         self.block_bytes = block_bytes  # 0 when the layout has no full head
-        self.blocks = BlockPool(num_blocks if block_bytes else 0)
+        self.blocks = blocks            # shared with window-state snapshots
         self.tables: dict[int, list[int]] = {}
         # Per sequence, its blocks as maximal runs of consecutive ids: [first_block, count].
         # Decode attends over each run as a slice of the pool, with no gather.
@@ -22,25 +24,30 @@ class FullHeadPool:
     def active(self) -> bool:
         return self.block_bytes > 0
 
-    def _blocks_for(self, num_tokens: int) -> int:
+    def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.active else 0
 
-    def can_allocate(self, num_tokens: int) -> bool:
-        return self._blocks_for(num_tokens) <= self.blocks.num_free
+    def can_allocate(self, num_tokens: int, shared: list[int] = ()) -> bool:
+        """Room for a sequence of `num_tokens` whose first blocks are `shared` (cached):
+        shared blocks nobody holds now leave the free queue too."""
+        idle = sum(self.blocks.is_free(b) for b in shared)
+        return self.blocks_for(num_tokens) - len(shared) + idle <= self.blocks.num_free
 
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
+    def allocate(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> None:
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
+        self.blocks.touch(list(shared))
         self.tables[seq_id] = []
         self._runs[seq_id] = []
-        self._extend(seq_id, self.blocks.take(self._blocks_for(num_tokens)))
+        self._extend(seq_id, list(shared))
+        self._extend(seq_id, self.blocks.take(max(0, self.blocks_for(num_tokens) - len(shared))))
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
-        need = self._blocks_for(num_tokens) - len(self.tables[seq_id])
+        need = self.blocks_for(num_tokens) - len(self.tables[seq_id])
         return need <= self.blocks.num_free
 
     def append(self, seq_id: int, num_tokens: int) -> None:
-        need = self._blocks_for(num_tokens) - len(self.tables[seq_id])
+        need = self.blocks_for(num_tokens) - len(self.tables[seq_id])
         if need > 0:
             self._extend(seq_id, self.blocks.take(need))
 
@@ -55,7 +62,8 @@ class FullHeadPool:
 
     def free(self, seq_id: int) -> None:
         self._runs.pop(seq_id, None)
-        self.blocks.give_back(self.tables.pop(seq_id, []))
+        # Last block first: a sequence's tail is evicted before its prefix (LRU order).
+        self.blocks.release(self.tables.pop(seq_id, [])[::-1])
 
     def slot_runs(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Positions [0, num_tokens) as (first flat slot, length) runs of contiguous slots."""
@@ -79,13 +87,14 @@ class FullHeadPool:
         return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def bytes_for(self, num_tokens: int) -> int:
-        return self._blocks_for(num_tokens) * self.block_bytes
+        return self.blocks_for(num_tokens) * self.block_bytes
 
     def max_tokens(self) -> int:
         return self.blocks.num_blocks * self.block_size if self.active else 1 << 62
 
     @property
     def used_bytes(self) -> int:
+        """Bytes of blocks some sequence holds (cached, unheld blocks count as free)."""
         return (self.blocks.num_blocks - self.blocks.num_free) * self.block_bytes
 
     @property

@@ -1,27 +1,81 @@
 """KVCacheManager: the one door to the cache for the scheduler and the model runner.
 
-It keeps the books of both pools (which blocks and which ring slot each sequence holds),
-splits the byte budget between them, checks both on admission, and hands each step the
-plain data it needs (slot ids, block tables, ring slots). It owns no tensor: the model
-runner allocates the storage that `geometry` describes and binds it into the layers.
+It keeps the books of both pools (which blocks and which ring slot each sequence holds)
+and of the prefix cache, splits the byte budget between them, checks both on admission,
+and hands each step the plain data it needs (slot ids, block tables, ring slots, ring
+copies to run). It owns no tensor: the model runner allocates the storage that
+`geometry` describes and binds it into the layers.
+
+Prefix caching (see prefix_cache): on admission `match_prefix` finds the longest prefix
+of a prompt whose full-head blocks and window-head state are cached; `allocate` shares
+those blocks and asks the runner to load the window state into the new ring slot. After
+each step `commit` registers the sequence's newly full blocks and, at planned points,
+asks the runner to save its ring as a snapshot:
+  - anchors: the last block boundary before the end of the prompt, and the point where
+    the prompt left the cached prefix (a document's end, when its next question comes);
+  - speculative (evicted first): a few block boundaries before the end of the prompt (so
+    the first follow-up question about a document hits near its end), and the latest
+    block boundary while decoding (becomes an anchor when the sequence ends: the next
+    chat turn starts from it).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from headwise.cache.block_pool import BlockPool
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
+from headwise.cache.prefix_cache import PrefixIndex, block_hashes
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.spec import CacheGeometry, KVClassSpec
+
+# Speculative snapshots before the end of a prompt: this many, this many blocks apart.
+TRAILING_SNAPSHOTS = 2
+TRAILING_SNAPSHOT_BLOCKS = 8
 
 
 class CacheConfigError(ValueError):
     pass
 
 
+@dataclass
+class RingCopy:
+    """A copy the runner makes between a ring slot and snapshot pages."""
+    save: bool            # True: ring slot -> pages; False: pages -> ring slot
+    ring_slot: int
+    pages: list[int]
+    anchor: bool = True   # for saves: where the pages go once copied
+
+
+@dataclass
+class PrefixHit:
+    """What match_prefix found for one prompt (plain data, used by the next allocate)."""
+    num_tokens: int = 0                                  # cached prefix length
+    hashes: list[int] = field(default_factory=list)      # the prompt's full-block hashes
+    blocks: list[int] = field(default_factory=list)      # shared full-head blocks
+    snapshot: int | None = None                          # window state at num_tokens
+    points: list[int] = field(default_factory=list)      # planned snapshot points
+    anchors: frozenset[int] = frozenset()
+    num_prompt: int = 0
+
+    def stop(self, start: int, end: int) -> int:
+        """End of a prefill chunk [start, end): cut at the first planned snapshot point."""
+        return next((p for p in self.points if start < p < end), end)
+
+
+@dataclass
+class _SeqBooks:
+    hit: PrefixHit
+    hashes: list[int]
+    num_registered: int = 0
+    rolling: int | None = None     # its latest decode snapshot
+
+
 class KVCacheManager:
     def __init__(self, layout: HeadLayout, block_size: int, kv_cache_memory: int,
-                 max_num_seqs: int, dtype: torch.dtype) -> None:
+                 max_num_seqs: int, dtype: torch.dtype, enable_prefix_caching: bool = False) -> None:
         self.layout = layout
         self.block_size = block_size
         D = layout.head_dim
@@ -35,15 +89,28 @@ class KVCacheManager:
                 f"max_num_seqs={max_num_seqs} sequences ({self.ring.total_bytes} bytes); "
                 "raise kv_cache_memory or lower max_num_seqs"
             )
+        self.caching = enable_prefix_caching
         block_bytes = geo.block_bytes
-        num_blocks = (kv_cache_memory - self.ring.total_bytes) // block_bytes if block_bytes else 0
-        if block_bytes and num_blocks < 1:
+        # Pages of the block pool: full-head blocks, which also hold window snapshots; a
+        # layout without full heads gets pages of one snapshot each when caching.
+        self.page_bytes = block_bytes or (geo.ring_bytes if self.caching else 0)
+        num_pages = (kv_cache_memory - self.ring.total_bytes) // self.page_bytes if self.page_bytes else 0
+        if block_bytes and num_pages < 1:
             raise CacheConfigError(
                 f"kv_cache_memory={kv_cache_memory} bytes leaves no room for one full-head block "
                 f"({block_bytes} bytes) after the rings ({self.ring.total_bytes} bytes)"
             )
-        self.full = FullHeadPool(num_blocks, block_size, block_bytes)
+        pool = BlockPool(num_pages)
+        self.full = FullHeadPool(pool, block_size, block_bytes)
         self.pools = (self.full, self.ring)
+        self.index = PrefixIndex(pool)
+        self.snapshot_pages = (-(-geo.ring_bytes // self.page_bytes)
+                               if self.caching and self.ring.active and self.page_bytes else 0)
+        # Different KV never shares a key: the root names the layout, dtype, block size.
+        self._root = ("headwise", layout.shape, str(dtype), block_size,
+                      tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row))
+        self._seqs: dict[int, _SeqBooks] = {}
+        self._ops: list[RingCopy] = []
 
     @property
     def num_blocks(self) -> int:
@@ -53,13 +120,130 @@ class KVCacheManager:
     def num_ring_slots(self) -> int:
         return self.ring.num_slots
 
-    # ---- admission and growth (both pools) ----------------------------------------
-    def can_allocate(self, num_tokens: int) -> bool:
-        return all(p.can_allocate(num_tokens) for p in self.pools)
+    @property
+    def has_full_heads(self) -> bool:
+        return self.full.active
 
-    def allocate(self, seq_id: int, num_tokens: int) -> None:
-        for p in self.pools:
-            p.allocate(seq_id, num_tokens)
+    # ---- prefix cache ---------------------------------------------------------------
+    def match_prefix(self, token_ids: list[int]) -> PrefixHit:
+        """The longest cached prefix of a new sequence's tokens (block-aligned, leaving at
+        least one token to compute) and the snapshot points planned for it."""
+        P, bs = len(token_ids), self.block_size
+        if not self.caching:
+            return PrefixHit(num_prompt=P)
+        max_blocks = (P - 1) // bs
+        hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
+        blocks = self.index.cached_blocks(hashes) if self.full.active else []
+        n = len(blocks) if self.full.active else max_blocks
+        reach = n * bs  # how far the cached full blocks go
+        snapshot = None
+        if self.snapshot_pages:
+            while n and hashes[n - 1] not in self.index.snapshots:
+                n -= 1
+            snapshot = hashes[n - 1] if n else None
+        elif self.ring.active:
+            n = 0  # window state cannot be cached: nothing to reuse
+        L = n * bs
+        hit = PrefixHit(L, hashes, blocks[:n] if self.full.active else [], snapshot, num_prompt=P)
+        if self.snapshot_pages:
+            end = max_blocks * bs
+            anchors = {end, reach}
+            trailing = {end - k * TRAILING_SNAPSHOT_BLOCKS * bs for k in range(1, TRAILING_SNAPSHOTS + 1)}
+            hit.points = sorted(p for p in anchors | trailing if p > L)
+            hit.anchors = frozenset(anchors)
+        return hit
+
+    def stop_point(self, seq_id: int, start: int, end: int) -> int:
+        """End of a running sequence's next prefill chunk [start, end): cut at a planned
+        snapshot point so that the ring holds exactly that state after the step."""
+        books = self._seqs.get(seq_id)
+        return books.hit.stop(start, end) if books else end
+
+    def commit(self, seq_id: int, token_ids, num_computed: int) -> None:
+        """After a step: `num_computed` tokens of the sequence are in the cache.
+        token_ids(start, end) gives its tokens. Registers its newly full blocks and saves
+        its window state where planned."""
+        books = self._seqs.get(seq_id)
+        if books is None:
+            return
+        bs = self.block_size
+        nfull = num_computed // bs
+        h = books.hashes
+        if nfull > len(h):
+            h += block_hashes(self._root, token_ids(len(h) * bs, nfull * bs), bs, h[-1] if h else None)
+        if self.full.active:
+            table = self.full.tables[seq_id]
+            for i in range(books.num_registered, nfull):
+                self.index.add_block(h[i], table[i])
+        books.num_registered = max(books.num_registered, nfull)
+        if not self.snapshot_pages or num_computed % bs or not num_computed:
+            return
+        key = h[nfull - 1]
+        if num_computed in books.hit.points:
+            self._save(seq_id, key, num_computed in books.hit.anchors)
+        elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
+            old = self.index.snapshots.get(books.rolling)
+            if old is not None and not old.anchor:  # (one that served a hit stays)
+                self.index.drop_snapshot(books.rolling)
+            books.rolling = key if self._save(seq_id, key, anchor=False) else None
+
+    def _save(self, seq_id: int, key: int, anchor: bool) -> bool:
+        snap = self.index.snapshots.get(key)
+        if snap is not None:  # another sequence saved this state already
+            if anchor and not snap.anchor:
+                snap.anchor = True
+                self.full.blocks.promote(snap.pages)
+            return False
+        if self.snapshot_pages > self.full.blocks.num_free:
+            return False  # opportunistic: never at the expense of running sequences
+        pages = self.full.blocks.take(self.snapshot_pages)
+        self.index.add_snapshot(key, pages, anchor)
+        self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
+        return True
+
+    def pop_ops(self) -> list[RingCopy]:
+        """Ring copies for the runner to make now; pass them to ops_done afterwards."""
+        ops, self._ops = self._ops, []
+        return ops
+
+    def ops_done(self, ops: list[RingCopy]) -> None:
+        for op in ops:
+            self.full.blocks.release(op.pages, low=op.save and not op.anchor)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix (running sequences keep their KV); returns the
+        number of pages that held one."""
+        for books in self._seqs.values():
+            books.rolling = None
+        return self.index.clear()
+
+    # ---- admission and growth (both pools) ----------------------------------------
+    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Room for a new sequence holding `num_tokens` tokens after its first step
+        (its cached prefix included)."""
+        if not self.ring.can_allocate(num_tokens):
+            return False
+        hit = hit or PrefixHit()
+        pool = self.full.blocks
+        pages = hit.blocks + (self.index.snapshots[hit.snapshot].pages if hit.snapshot is not None else [])
+        idle = sum(pool.is_free(b) for b in pages)
+        return self.full.blocks_for(num_tokens) - len(hit.blocks) + idle <= pool.num_free
+
+    def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
+        hit = hit or PrefixHit()
+        snap = self.index.snapshots[hit.snapshot] if hit.snapshot is not None else None
+        if snap is not None:  # held before new blocks are taken, which could evict it
+            snap.anchor = True  # it serves a hit: no longer speculative
+            self.full.blocks.touch(snap.pages)
+        self.full.allocate(seq_id, num_tokens, hit.blocks)
+        self.ring.allocate(seq_id, num_tokens)
+        if snap is not None:
+            self._ops.append(RingCopy(False, self.ring.slot(seq_id), snap.pages))
+        if self.caching and hit.num_prompt:
+            self.index.stats.queries += hit.num_prompt
+            self.index.stats.hits += hit.num_tokens
+            n = hit.num_tokens // self.block_size
+            self._seqs[seq_id] = _SeqBooks(hit, hit.hashes[:n], num_registered=n)
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return all(p.can_append(seq_id, num_tokens) for p in self.pools)
@@ -69,6 +253,12 @@ class KVCacheManager:
             p.append(seq_id, num_tokens)
 
     def free(self, seq_id: int) -> None:
+        books = self._seqs.pop(seq_id, None)
+        if books is not None and books.rolling in self.index.snapshots:
+            # Its last state: where the next turn of a conversation starts.
+            snap = self.index.snapshots[books.rolling]
+            snap.anchor = True
+            self.full.blocks.promote(snap.pages)
         for p in self.pools:
             p.free(seq_id)
 
@@ -90,10 +280,6 @@ class KVCacheManager:
     def ring_slot(self, seq_id: int) -> int:
         return self.ring.slot(seq_id)
 
-    @property
-    def has_full_heads(self) -> bool:
-        return self.full.active
-
     # ---- accounting ---------------------------------------------------------------
     def kv_bytes(self, num_tokens: int) -> int:
         """KV bytes one sequence of `num_tokens` tokens occupies under this layout."""
@@ -107,9 +293,13 @@ class KVCacheManager:
         return min(by_ring, by_full)
 
     def usage(self) -> dict[str, dict[str, float]]:
+        """Per pool: bytes held by running sequences, in total, and (prefix caching) held
+        by cached prefixes nobody uses, which count as free."""
+        cached = self.full.blocks.cached_free
         out = {}
-        for name, p in (("full", self.full), ("ring", self.ring)):
+        for name, p, kind in (("full", self.full, "b"), ("ring", self.ring, "s")):
             total = p.total_bytes
             out[name] = {"used_bytes": p.used_bytes, "total_bytes": total,
-                         "usage": p.used_bytes / total if total else 0.0}
+                         "usage": p.used_bytes / total if total else 0.0,
+                         "cached_bytes": cached[kind] * self.page_bytes}
         return out

@@ -53,7 +53,7 @@ class LLMEngine:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
-                                    config.max_num_seqs, self.dtype)
+                                    config.max_num_seqs, self.dtype, config.enable_prefix_caching)
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
                                   config.backend, config.window_positions)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
@@ -101,11 +101,14 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a new token."""
         out = self.scheduler.schedule()
+        self._copy_rings()  # window state of prefix-cache hits, before they are attended
         if not out.scheduled:
             return []
         logits, seqs = self.runner.run(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
+            self.cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        self._copy_rings()  # window-state snapshots planned at this step's ends
         if not seqs:
             return []
         results = sample(logits, seqs)
@@ -113,6 +116,16 @@ class LLMEngine:
         for seq, r in zip(seqs, results):
             self._append(seq, r, now)
         return seqs
+
+    def _copy_rings(self) -> None:
+        ops = self.cache.pop_ops()
+        if ops:
+            self.runner.copy_rings(ops)
+            self.cache.ops_done(ops)
+
+    def reset_prefix_cache(self) -> int:
+        """Forget every cached prefix; returns the number of pages that held one."""
+        return self.cache.reset_prefix_cache()
 
     def _append(self, seq: Sequence, r, now: float) -> None:
         seq.output_token_ids.append(r.token)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headwise.cache.manager import KVCacheManager
+from headwise.cache.manager import KVCacheManager, RingCopy
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
@@ -25,9 +25,18 @@ class ModelRunner:
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
         self.window_kinds = cache.geometry.window_kinds()
-        self.kv = KVStorage(cache.geometry, cache.num_blocks, cache.num_ring_slots, self.device)
+        self.kv = KVStorage(cache.geometry, cache.num_blocks, cache.num_ring_slots, self.device,
+                            page_bytes=cache.page_bytes)
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
+
+    def copy_rings(self, ops: list[RingCopy]) -> None:
+        """Window-state snapshots: ring slot -> pages (save) or pages -> ring slot (load)."""
+        for op in ops:
+            if op.save:
+                self.kv.write_pages(op.pages, self.kv.read_ring(op.ring_slot))
+            else:
+                self.kv.write_ring(op.ring_slot, self.kv.read_pages(op.pages))
 
     def run(self, scheduled: list[tuple[Sequence, int]],
             all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:

@@ -2,7 +2,9 @@
 
 Each step spends a token budget: running requests first (one decode token, or the next
 prefill chunk), then waiting requests in arrival order while every cache pool admits
-them. When the full-head pool cannot grow a running request, the most recently admitted
+them. A waiting request whose prompt starts with a cached prefix skips it: only the
+tokens after it are computed and budgeted. Prefill chunks end where the cache manager
+plans to save window-head state (stop points). When the full-head pool cannot grow a running request, the most recently admitted
 request is preempted: its KV is freed and it is recomputed later from its tokens.
 """
 from __future__ import annotations
@@ -83,8 +85,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            target = seq.num_computed_tokens + n
+            start = seq.num_computed_tokens
+            n = min(seq.num_tokens - start, budget)
+            n = self.cache.stop_point(seq.seq_id, start, start + n) - start
+            target = start + n
             while not self.cache.can_append(seq.seq_id, target):
                 victim = self.running[-1]  # most recently admitted
                 self._preempt(victim)
@@ -101,11 +105,18 @@ class Scheduler:
         while (self.waiting and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self.cache.can_allocate(n):
+            # A cached prefix is not computed again: the step starts after it.
+            hit = self.cache.match_prefix(seq.token_ids(0, seq.num_tokens))
+            start = hit.num_tokens
+            n = min(seq.num_tokens - start, budget)
+            n = hit.stop(start, start + n) - start
+            if not self.cache.can_allocate(start + n, hit):
                 break
             self.waiting.popleft()
-            self.cache.allocate(seq.seq_id, n)
+            self.cache.allocate(seq.seq_id, start + n, hit)
+            seq.num_computed_tokens = start
+            if seq.num_cached_tokens is None:  # what the client is told: its first admission
+                seq.num_cached_tokens = start
             seq.status = SeqStatus.RUNNING
             self.running.append(seq)
             out.scheduled.append((seq, n))

@@ -30,6 +30,8 @@ class Sequence:
         # Tokens whose K/V are in the cache; catches up with num_tokens (chunked prefill
         # and decode are the same thing). Reset to 0 on preemption (recompute).
         self.num_computed_tokens = 0
+        # Prompt tokens found in the prefix cache when first scheduled (None: not yet).
+        self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []

@@ -1,0 +1,109 @@
+"""Books of the prefix cache: which token prefixes have their KV in the pool.
+
+Full heads: block i of a token sequence is identified by a chained hash covering every
+token up to the end of block i (and a root that names the layout, dtype and block size,
+so different KV never shares a key). A full block registered here can be shared by any
+sequence whose prompt starts with the same tokens; it stays cached after its sequence
+ends, until the block pool hands its page out again (LRU).
+
+Window heads: their state at L tokens (sink tokens and the last `window` tokens before
+L, for every window head) cannot be shared in place, since each running sequence owns a
+ring that keeps rotating. It is saved instead as a snapshot: a copy of a ring slot taken
+when a sequence has computed exactly L tokens (L a multiple of the block size), stored
+in pages of the same pool and keyed by the hash of block L / block_size - 1. A prefix of
+L tokens is a hit when the full blocks covering [0, L) and the snapshot at L are cached.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Hashable
+
+from headwise.cache.block_pool import BlockPool, PageKey
+
+
+def block_hashes(root: Hashable, token_ids: list[int], block_size: int,
+                 prev: int | None = None) -> list[int]:
+    """Chained hashes of the full blocks of `token_ids`, which start at a block boundary
+    right after the block hashed `prev` (None: at the start of the sequence)."""
+    out = []
+    h = hash(root) if prev is None else prev
+    for i in range(0, len(token_ids) - block_size + 1, block_size):
+        h = hash((h, tuple(token_ids[i:i + block_size])))
+        out.append(h)
+    return out
+
+
+@dataclass
+class Snapshot:
+    pages: list[int]
+    anchor: bool          # False: speculative (evicted before everything else)
+
+
+@dataclass
+class PrefixStats:
+    queries: int = 0      # prompt tokens looked up
+    hits: int = 0         # of those, tokens found cached
+
+
+@dataclass
+class PrefixIndex:
+    """hash -> cached full block, hash -> window-state snapshot; kept in step with the
+    block pool's evictions (see BlockPool.on_evict)."""
+    pool: BlockPool
+    blocks: dict[int, int] = field(default_factory=dict)
+    snapshots: dict[int, Snapshot] = field(default_factory=dict)
+    stats: PrefixStats = field(default_factory=PrefixStats)
+
+    def __post_init__(self) -> None:
+        self.pool.on_evict = self._on_evict
+
+    def _on_evict(self, key: PageKey) -> None:
+        kind, h = key
+        if kind == "b":
+            self.blocks.pop(h, None)
+        else:  # one page of a snapshot was reused: the snapshot is gone
+            snap = self.snapshots.pop(h, None)
+            if snap is not None:
+                for b in snap.pages:
+                    if self.pool.key[b] == key:
+                        self.pool.set_key(b, None)
+
+    def add_block(self, h: int, b: int) -> None:
+        """Register block b as holding the tokens hashed by h (first writer wins)."""
+        if h not in self.blocks and self.pool.key[b] is None:
+            self.blocks[h] = b
+            self.pool.set_key(b, ("b", h))
+
+    def cached_blocks(self, hashes: list[int]) -> list[int]:
+        """The longest run of leading blocks that are cached."""
+        out = []
+        for h in hashes:
+            b = self.blocks.get(h)
+            if b is None:
+                break
+            out.append(b)
+        return out
+
+    def add_snapshot(self, h: int, pages: list[int], anchor: bool) -> None:
+        for b in pages:
+            self.pool.set_key(b, ("s", h))
+        self.snapshots[h] = Snapshot(pages, anchor)
+
+    def drop_snapshot(self, h: int) -> None:
+        """Forget a snapshot (superseded); its free pages are reused first."""
+        snap = self.snapshots.pop(h, None)
+        if snap is not None:
+            for b in snap.pages:
+                self.pool.set_key(b, None)
+            self.pool.demote(snap.pages)
+
+    def clear(self) -> int:
+        """Forget every cached prefix; returns how many pages were freed of their keys."""
+        n = 0
+        for b in list(self.blocks.values()) + [b for s in self.snapshots.values() for b in s.pages]:
+            if self.pool.key[b] is not None:
+                self.pool.set_key(b, None)
+                n += 1
+        self.blocks.clear()
+        self.snapshots.clear()
+        return n
