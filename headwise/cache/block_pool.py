@@ -1,11 +1,11 @@
 """Physical pages with reference counts, cache keys and an eviction order.
 
 A page is a full-head block, or a part of a window-state snapshot (see prefix_cache).
-Free pages sit in two queues: `low` (speculative snapshots, evicted first) and the main
-LRU queue (a page joins its tail when its last user releases it). `take` pops from the
-heads, so never-used pages go first, then the least recently released; a page taken
-while it still carries a cache key is evicted: the owner of the key is told through
-`on_evict`, so a cached prefix stays hit-able exactly until its pages are reused.
+Free pages sit in three queues, taken in this order: pages holding nothing cached,
+then cached pages of low priority (speculative snapshots), then cached pages in LRU
+order (a page joins the tail when its last user releases it). A page taken while it
+still carries a cache key is evicted: the owner of the key is told through `on_evict`,
+so a cached prefix stays hit-able exactly until its pages are reused.
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.ref = [0] * num_blocks
         self.key: list[PageKey | None] = [None] * num_blocks
+        self._low_priority = [False] * num_blocks
+        self._empty: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._low: OrderedDict[int, None] = OrderedDict()
-        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._lru: OrderedDict[int, None] = OrderedDict()
         self.on_evict = on_evict
         # Free pages that still carry a key, by kind: bytes held by cached, unused prefixes.
         self.cached_free: Counter[str] = Counter()
@@ -33,7 +35,7 @@ class BlockPool:
     @property
     def num_free(self) -> int:
         """Pages that can be handed out now: unused ones and cached ones nobody holds."""
-        return len(self._low) + len(self._free)
+        return len(self._empty) + len(self._low) + len(self._lru)
 
     def is_free(self, b: int) -> bool:
         return self.ref[b] == 0
@@ -43,10 +45,14 @@ class BlockPool:
             raise CacheFullError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
-            q = self._low if self._low else self._free
+            q = self._empty or self._low or self._lru
             b, _ = q.popitem(last=False)
             if self.key[b] is not None:
-                self._evict(b)
+                key = self.key[b]
+                self.key[b] = None
+                self.cached_free[key[0]] -= 1
+                if self.on_evict is not None:
+                    self.on_evict(key)
             self.ref[b] = 1
             out.append(b)
         return out
@@ -55,70 +61,68 @@ class BlockPool:
         """One more user of each page (a cache hit); a free page leaves the free queues."""
         for b in ids:
             if self.ref[b] == 0:
-                self._unfree(b)
+                self._unqueue(b)
             self.ref[b] += 1
 
     def release(self, ids: list[int], low: bool = False) -> None:
-        """One user fewer; a page nobody uses joins the tail of the LRU queue (or of the
-        low-priority queue), keeping its key."""
+        """One user fewer; a page nobody uses joins the tail of its free queue (cached
+        pages of low priority: the low queue), keeping its key."""
         for b in ids:
             if self.ref[b] <= 0:
                 raise RuntimeError(f"block {b} released more often than taken")
             self.ref[b] -= 1
             if self.ref[b] == 0:
-                (self._low if low else self._free)[b] = None
-                if self.key[b] is not None:
-                    self.cached_free[self.key[b][0]] += 1
-
-    def give_back(self, ids: list[int]) -> None:
-        self.release(ids)
+                self._low_priority[b] = low
+                self._enqueue(b)
 
     def set_key(self, b: int, key: PageKey | None) -> None:
-        old = self.key[b]
         if self.ref[b] == 0:
-            if old is not None:
-                self.cached_free[old[0]] -= 1
-            if key is not None:
-                self.cached_free[key[0]] += 1
-        self.key[b] = key
-
-    def demote(self, ids: list[int]) -> None:
-        """Free pages to the head of the queues: reused before anything else."""
-        for b in ids:
-            if self.ref[b] == 0:
-                self._unfree(b)
-                self._low[b] = None
-                self._low.move_to_end(b, last=False)
-                if self.key[b] is not None:
-                    self.cached_free[self.key[b][0]] += 1
+            self._unqueue(b)
+            self.key[b] = key
+            self._enqueue(b)
+        else:
+            self.key[b] = key
 
     def promote(self, ids: list[int]) -> None:
-        """Free pages in the low-priority queue move to the tail of the LRU queue."""
+        """Cached pages stop being low priority (free ones move to the LRU tail)."""
         for b in ids:
-            if b in self._low:
-                del self._low[b]
-                self._free[b] = None
+            if self._low_priority[b]:
+                self.set_low_priority(b, False)
 
-    def _unfree(self, b: int) -> None:
-        if b in self._low:
-            del self._low[b]
+    def set_low_priority(self, b: int, low: bool) -> None:
+        if self.ref[b] == 0:
+            self._unqueue(b)
+            self._low_priority[b] = low
+            self._enqueue(b)
         else:
-            del self._free[b]
+            self._low_priority[b] = low
+
+    def _enqueue(self, b: int) -> None:
+        key = self.key[b]
+        if key is None:
+            self._empty[b] = None
+            return
+        (self._low if self._low_priority[b] else self._lru)[b] = None
+        self.cached_free[key[0]] += 1
+
+    def _unqueue(self, b: int) -> None:
+        for q in (self._empty, self._low, self._lru):
+            if b in q:
+                del q[b]
+                break
         if self.key[b] is not None:
             self.cached_free[self.key[b][0]] -= 1
 
-    def _evict(self, b: int) -> None:
-        key = self.key[b]
-        self.key[b] = None
-        self.cached_free[key[0]] -= 1
-        if self.on_evict is not None:
-            self.on_evict(key)
-
     def check(self) -> None:
-        """Assert the books are consistent (tests): every page is free xor referenced."""
-        free = set(self._low) | set(self._free)
-        assert len(free) == len(self._low) + len(self._free), "a page is in both free queues"
+        """Assert the books are consistent (tests): every page is free xor referenced,
+        and sits in the free queue its key says."""
+        queues = (self._empty, self._low, self._lru)
+        free = [b for q in queues for b in q]
+        assert len(free) == len(set(free)), "a page is in two free queues"
+        free = set(free)
         for b in range(self.num_blocks):
             assert (b in free) == (self.ref[b] == 0), f"block {b}: ref {self.ref[b]}, free {b in free}"
-        counts = Counter(self.key[b][0] for b in free if self.key[b] is not None)
+        assert all(self.key[b] is None for b in self._empty)
+        assert all(self.key[b] is not None for q in queues[1:] for b in q)
+        counts = Counter(self.key[b][0] for q in queues[1:] for b in q)
         assert +counts == +self.cached_free, (counts, self.cached_free)

@@ -90,12 +90,11 @@ class PrefixIndex:
         self.snapshots[h] = Snapshot(pages, anchor)
 
     def drop_snapshot(self, h: int) -> None:
-        """Forget a snapshot (superseded); its free pages are reused first."""
+        """Forget a snapshot (superseded); its free pages hold nothing any more."""
         snap = self.snapshots.pop(h, None)
         if snap is not None:
             for b in snap.pages:
                 self.pool.set_key(b, None)
-            self.pool.demote(snap.pages)
 
     def clear(self) -> int:
         """Forget every cached prefix; returns how many pages were freed of their keys."""

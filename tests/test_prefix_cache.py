@@ -1,0 +1,254 @@
+"""Prefix caching: greedy outputs with caching equal those without it (float32), exact
+books after any mix of finish, abort, preemption and eviction, and eviction that never
+touches a block in use."""
+import random
+
+import pytest
+import torch
+
+from headwise import LLM, HeadLayout, SamplingParams
+from headwise.cache.layout import HeadSpec
+from headwise.cache.manager import KVCacheManager
+from headwise.engine.scheduler import Scheduler
+from headwise.engine.sequence import Sequence, SeqStatus
+
+SINK, WINDOW = 4, 8
+GREEDY = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+
+
+def mixed(shape):
+    L, H, D = shape
+    return HeadLayout("mixed", L, H, D, [[HeadSpec("window", SINK, WINDOW) if (l + h) % 2 else HeadSpec("full")
+                                          for h in range(H)] for l in range(L)])
+
+
+def _layout(kind, shape):
+    return {"full": lambda: "full", "window": lambda: HeadLayout.window(shape, SINK, WINDOW),
+            "mixed": lambda: mixed(shape)}[kind]()
+
+
+def _pair(path, kind, **opts):
+    shape = LLM(path, head_layout="full", kv_cache_memory=1 << 22).layout.shape
+    base = dict(head_layout=_layout(kind, shape), kv_cache_memory=1 << 24, block_size=4, dtype="float32")
+    base.update(opts)
+    return LLM(path, enable_prefix_caching=True, **base), LLM(path, enable_prefix_caching=False, **base)
+
+
+def _same(a, b):
+    assert a.token_ids == b.token_ids
+    assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def _backend(backend):
+    if backend == "triton":
+        pytest.importorskip("triton")
+        return dict(attention_backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    return {}
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", ["full", "window", "mixed"])
+def test_document_questions_equal_uncached(tiny_models, kind, backend):
+    cached, plain = _pair(str(tiny_models["llama"]), kind, max_num_batched_tokens=16, **_backend(backend))
+    tok = cached.tokenizer
+    doc = tok.encode("A report on rivers, bridges and the towns between them. " * 6)
+    assert len(doc) > 4 * (SINK + WINDOW)  # hits far longer than the window
+    questions = [tok.encode(q, add_special_tokens=False) for q in
+                 (" Which town?", " Name every bridge in it, please.", " Why?", " Which town?")]
+    hits = []
+    for q in questions:
+        got = cached.generate([doc + q], GREEDY, use_tqdm=False)[0]
+        _same(got, plain.generate([doc + q], GREEDY, use_tqdm=False)[0])
+        hits.append(got.num_cached_tokens)
+    assert hits[0] == 0 and all(h > len(doc) - 4 * 4 for h in hits[1:]), hits
+    # the very same prompt again: everything but its last (partial) block is cached
+    again = cached.generate([doc + questions[0]], GREEDY, use_tqdm=False)[0]
+    assert again.num_cached_tokens == (len(doc + questions[0]) - 1) // 4 * 4
+
+
+@pytest.mark.parametrize("kind", ["window", "mixed"])
+def test_hit_points_mid_block_and_block_aligned(tiny_models, kind):
+    """Prompts sharing 40 (block-aligned) or 42 tokens with a first one. The second hits
+    the latest window state saved at or before the shared part (the first prompt's last
+    block boundary, or a speculative point before it) and saves the state where it left
+    the cached prefix; the third hits exactly there, the last block boundary <= shared."""
+    cached, plain = _pair(str(tiny_models["llama"]), kind)
+    base = cached.tokenizer.encode("Bridges and rivers, towns and roads. " * 8)
+    for shared in (40, 42):
+        cached.reset_prefix_cache()
+        prompts = [base[:shared] + suffix for suffix in ([100, 101, 102], [200, 201], [300])]
+        hits = []
+        for prompt in prompts:
+            got = cached.generate([prompt], GREEDY, use_tqdm=False)[0]
+            _same(got, plain.generate([prompt], GREEDY, use_tqdm=False)[0])
+            hits.append(got.num_cached_tokens)
+        edge = shared // 4 * 4
+        assert hits[0] == 0 and 0 < hits[1] <= edge and hits[2] == edge, hits
+        assert (hits[1] == edge) == (shared == 40)  # 40: the first prompt's last boundary
+
+
+@pytest.mark.parametrize("kind", ["window", "mixed", "full"])
+def test_multi_turn_chat_extends_previous_turn(tiny_models, kind):
+    cached, plain = _pair(str(tiny_models["qwen3"]), kind)
+    tok = cached.tokenizer
+    history = tok.encode("User: tell me about rivers.\nAssistant:")
+    p = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
+    for turn in range(4):
+        got = cached.generate([history], p, use_tqdm=False)[0]
+        _same(got, plain.generate([history], p, use_tqdm=False)[0])
+        if turn:  # the previous turn's prompt and answer are cached (up to a block)
+            assert got.num_cached_tokens >= prev_len - 4, (got.num_cached_tokens, prev_len)
+        prev_len = len(history) + len(got.token_ids)
+        history = history + got.token_ids + tok.encode(f"\nUser: and bridge {turn}?\nAssistant:",
+                                                       add_special_tokens=False)
+
+
+def test_short_prompts_and_shared_system_prompt_in_one_batch(tiny_models):
+    """Prompts shorter than sink + window, and a batch sharing a prefix: the later ones
+    hit blocks the first one registered in earlier steps."""
+    cached, plain = _pair(str(tiny_models["llama"]), "mixed", max_num_batched_tokens=8)
+    tok = cached.tokenizer
+    system = tok.encode("You are a careful assistant for river maps. ")
+    prompts = [tok.encode("Hi"), tok.encode("Rivers"), system + [300], system + [301, 302], system + [303]]
+    for g, w in zip(cached.generate(prompts, GREEDY, use_tqdm=False), plain.generate(prompts, GREEDY, use_tqdm=False)):
+        _same(g, w)
+
+
+def test_evicted_prefix_is_recomputed(tiny_models):
+    """A budget for about one document: caching a second evicts (the tail of) the first,
+    whose next request recomputes what was evicted and still answers the same."""
+    path = str(tiny_models["llama"])
+    shape = LLM(path, head_layout="full", kv_cache_memory=1 << 22).layout.shape
+    lay = mixed(shape)
+    probe = KVCacheManager(lay, 4, 1 << 30, 1, torch.float32)
+    per_doc = probe.kv_bytes(120) + probe.geometry.ring_bytes  # blocks + one snapshot
+    opts = dict(head_layout=lay, block_size=4, dtype="float32", max_num_seqs=1,
+                kv_cache_memory=probe.geometry.ring_bytes + int(1.5 * per_doc))
+    cached, plain = LLM(path, **opts), LLM(path, enable_prefix_caching=False, **opts)
+    tok = cached.tokenizer
+    a = tok.encode("Document A about rivers and the sea. " * 20)[:110]
+    b = tok.encode("Document B about towns and old bridges. " * 20)[:110]
+    assert len(a) == len(b) == 110
+    hits = []
+    for prompt in (a, a, b, a):
+        got = cached.generate([prompt], GREEDY, use_tqdm=False)[0]
+        _same(got, plain.generate([prompt], GREEDY, use_tqdm=False)[0])
+        hits.append(got.num_cached_tokens)
+    assert hits[0] == 0 and hits[1] == 108 and hits[2] == 0
+    assert hits[3] < hits[1]  # b's blocks took a's tail (a tail is evicted before its prefix)
+
+
+def test_preemption_resumes_from_its_own_cached_blocks(tiny_models):
+    path = str(tiny_models["llama"])
+    shape = LLM(path, head_layout="full", kv_cache_memory=1 << 22).layout.shape
+    lay = mixed(shape)
+    geo = KVCacheManager(lay, 4, 1 << 30, 3, torch.float32)
+    opts = dict(head_layout=lay, block_size=4, dtype="float32", max_num_seqs=3,
+                kv_cache_memory=3 * geo.geometry.ring_bytes + 30 * geo.geometry.block_bytes)
+    cached, plain = LLM(path, **opts), LLM(path, enable_prefix_caching=False, **opts)
+    tok = cached.tokenizer
+    prompts = [tok.encode(f"Story {i} about a river and a bridge, told slowly.") for i in range(3)]
+    p = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
+    got = cached.generate(prompts, p, use_tqdm=False)
+    assert sum(o.num_preemptions for o in got) > 0
+    assert cached.engine.cache.index.stats.hits > 0  # a resumed sequence re-hit its blocks
+    for g, w in zip(got, plain.generate(prompts, p, use_tqdm=False)):
+        _same(g, w)
+
+
+# ---- books, without a model ------------------------------------------------------------
+def _check_books(cache, running):
+    """Every block is free (possibly cached) or held exactly by the sequences using it."""
+    pool = cache.full.blocks
+    pool.check()
+    holders = [0] * pool.num_blocks
+    for seq in running:
+        for b in cache.full.tables[seq.seq_id]:
+            holders[b] += 1
+    assert holders == pool.ref, "a block's references differ from the tables holding it"
+    for h, b in cache.index.blocks.items():
+        assert pool.key[b] == ("b", h)
+    for h, snap in cache.index.snapshots.items():
+        assert all(pool.key[b] == ("s", h) for b in snap.pages)
+
+
+@pytest.mark.parametrize("kind", ["full", "mixed", "window"])
+def test_random_requests_keep_exact_books(kind):
+    """Hundreds of requests sharing prefixes, finishing, aborting and preempted under a
+    small budget: after every step the books are exact; at the end nothing is held."""
+    shape = (2, 2, 4)
+    layout = {"full": HeadLayout.full(shape), "window": HeadLayout.window(shape, 2, 4),
+              "mixed": mixed(shape)}[kind]
+    probe = KVCacheManager(layout, 4, 1 << 20, 4, torch.float32)
+    budget = 4 * probe.geometry.ring_bytes + 30 * (probe.geometry.block_bytes or probe.geometry.ring_bytes // 2)
+    cache = KVCacheManager(layout, 4, budget, 4, torch.float32, enable_prefix_caching=True)
+    sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=24)
+    rng = random.Random(0)
+    docs = [[rng.randrange(1000) for _ in range(rng.randrange(8, 60))] for _ in range(6)]
+    live, hits, evictions_seen = [], 0, False
+    for step in range(1500):
+        if len(live) < 6 and rng.random() < 0.4 and step < 1300:
+            prompt = rng.choice(docs) + [rng.randrange(1000) for _ in range(rng.randrange(1, 6))]
+            seq = Sequence(prompt, SamplingParams(max_tokens=rng.randrange(1, 20), ignore_eos=True))
+            sched.add(seq)
+            live.append(seq)
+        before = len(cache.index.blocks)
+        out = sched.schedule()
+        cache.ops_done(cache.pop_ops())
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        cache.ops_done(cache.pop_ops())
+        for seq, n in out.scheduled:
+            if seq.num_computed_tokens == seq.num_tokens and seq.status == SeqStatus.RUNNING:
+                seq.output_token_ids.append(rng.randrange(1000))
+                if len(seq.output_token_ids) >= seq.params.max_tokens:
+                    sched.finish(seq)
+        if live and rng.random() < 0.05:
+            sched.abort(rng.choice(live))
+        live = [s for s in live if not s.is_finished]
+        evictions_seen |= len(cache.index.blocks) < before
+        _check_books(cache, sched.running)
+    while sched.has_unfinished():
+        out = sched.schedule()
+        cache.ops_done(cache.pop_ops())
+        for seq, n in out.scheduled:
+            seq.num_computed_tokens += n
+            cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+            if seq.num_computed_tokens == seq.num_tokens:
+                sched.finish(seq)
+        cache.ops_done(cache.pop_ops())
+    _check_books(cache, [])
+    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks  # nothing held by anyone
+    assert cache.index.stats.hits > 0
+    if kind != "window":  # (window-only sequences never grow, so never preempt)
+        assert evictions_seen and sched.num_preemptions > 0
+
+
+def test_exact_block_ids_of_a_hit():
+    """A second sequence with the same 9-token prompt shares the first one's two full
+    blocks (ids 0, 1), loads its window state, and computes only the ninth token."""
+    layout = mixed((2, 2, 4))
+    cache = KVCacheManager(layout, 4, 1 << 16, 2, torch.float32, enable_prefix_caching=True)
+    ids = list(range(100, 109))
+    hit = cache.match_prefix(ids)
+    assert hit.num_tokens == 0 and hit.points == [8]  # the last block boundary before the end
+    cache.allocate(1, 8, hit)
+    assert cache.full.tables[1] == [0, 1]
+    cache.commit(1, lambda a, b: ids[a:b], 8)
+    (save,) = cache.pop_ops()
+    assert save.save and save.ring_slot == 0 and save.pages == list(range(2, 2 + cache.snapshot_pages))
+    cache.ops_done([save])
+    cache.append(1, 9)
+    cache.commit(1, lambda a, b: ids[a:b], 9)
+    cache.free(1)
+    hit = cache.match_prefix(ids)
+    assert hit.num_tokens == 8 and hit.blocks == [0, 1]
+    cache.allocate(2, 9, hit)
+    (load,) = cache.pop_ops()
+    assert not load.save and load.ring_slot == 1 and load.pages == save.pages
+    assert cache.full.tables[2][:2] == [0, 1] and cache.full.blocks.ref[0] == 1
+    cache.ops_done([load])
+    cache.free(2)
+    cache.full.blocks.check()
+    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks
