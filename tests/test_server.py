@@ -292,3 +292,44 @@ def test_bench_serve_reports_every_figure(server):
         assert set(r[k]) == {"mean", "median", "p99"} and r[k]["median"] > 0
     assert r["output_tokens_per_s"] > 0 and r["request_throughput"] > 0
     assert "ttft" in format_result(r)
+
+
+def test_prefix_cache_usage_metrics_and_reset(model_path, offline):
+    """A repeated long prompt is served from the prefix cache: `cached_tokens` in the
+    OpenAI usage, the same text, counters and reclaimable bytes per head class in the
+    metrics; POST /reset_prefix_cache forgets it."""
+    from headwise import HeadLayout
+    from headwise.cache.layout import HeadSpec
+
+    shape = offline.layout.shape
+    L, H, D = shape
+    layout = HeadLayout("mixed", L, H, D, [[HeadSpec("window", 4, 16) if (l + h) % 2 else HeadSpec("full")
+                                            for h in range(H)] for l in range(L)])
+    with running_server(model_path, head_layout=layout, block_size=4) as (url, _):
+        c = _client(url)
+        model = c.models.list().data[0].id
+        doc = "A long report about rivers, bridges and the towns between them. " * 12
+        first = c.completions.create(model=model, prompt=doc, max_tokens=8, temperature=0)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        q0, h0 = _metric(url, "headwise:prefix_cache_queries_total"), _metric(url, "headwise:prefix_cache_hits_total")
+        again = c.completions.create(model=model, prompt=doc, max_tokens=8, temperature=0)
+        n = again.usage.prompt_tokens
+        assert again.usage.prompt_tokens_details.cached_tokens == (n - 1) // 4 * 4
+        assert again.choices[0].text == first.choices[0].text
+        assert _metric(url, "headwise:prefix_cache_queries_total") == q0 + n
+        assert _metric(url, "headwise:prefix_cache_hits_total") == h0 + (n - 1) // 4 * 4
+        _wait_idle(url)
+        assert _metric(url, "headwise:kv_cache_cached_bytes", head_class="full") > 0
+        assert _metric(url, "headwise:kv_cache_cached_bytes", head_class="window") > 0
+        msgs = [{"role": "user", "content": doc}]
+        a = c.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0)
+        s = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                           stream_options={"include_usage": True}))
+        assert s[-1].usage.prompt_tokens_details.cached_tokens > 0
+        assert "".join(ch.choices[0].delta.content or "" for ch in s if ch.choices) == a.choices[0].message.content
+        r = httpx.post(f"{url}/reset_prefix_cache")
+        assert r.status_code == 200 and r.json()["pages_freed"] > 0
+        assert _metric(url, "headwise:kv_cache_cached_bytes") == 0
+        after = c.completions.create(model=model, prompt=doc, max_tokens=8, temperature=0)
+        assert after.usage.prompt_tokens_details.cached_tokens == 0
+        assert after.choices[0].text == first.choices[0].text

@@ -37,6 +37,11 @@ class BlockPool:
         """Pages that can be handed out now: unused ones and cached ones nobody holds."""
         return len(self._empty) + len(self._low) + len(self._lru)
 
+    @property
+    def num_spare(self) -> int:
+        """Free pages whose reuse evicts nothing of normal priority."""
+        return len(self._empty) + len(self._low)
+
     def is_free(self, b: int) -> bool:
         return self.ref[b] == 0
 
@@ -82,6 +87,12 @@ class BlockPool:
             self._enqueue(b)
         else:
             self.key[b] = key
+
+    def refresh(self, ids: list[int]) -> None:
+        """Cached free pages move to the tail of the LRU queue (as if just released)."""
+        for b in ids:
+            if b in self._lru:
+                self._lru.move_to_end(b)
 
     def promote(self, ids: list[int]) -> None:
         """Cached pages stop being low priority (free ones move to the LRU tail)."""

@@ -61,9 +61,13 @@ class FullHeadPool:
                 runs.append([b, 1])
 
     def free(self, seq_id: int) -> None:
-        self._runs.pop(seq_id, None)
         # Last block first: a sequence's tail is evicted before its prefix (LRU order).
-        self.blocks.release(self.tables.pop(seq_id, [])[::-1])
+        self.blocks.release(self.pop(seq_id)[::-1])
+
+    def pop(self, seq_id: int) -> list[int]:
+        """Forget a sequence's table without releasing its blocks (the caller does)."""
+        self._runs.pop(seq_id, None)
+        return self.tables.pop(seq_id, [])
 
     def slot_runs(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Positions [0, num_tokens) as (first flat slot, length) runs of contiguous slots."""

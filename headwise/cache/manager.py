@@ -11,12 +11,15 @@ of a prompt whose full-head blocks and window-head state are cached; `allocate` 
 those blocks and asks the runner to load the window state into the new ring slot. After
 each step `commit` registers the sequence's newly full blocks and, at planned points,
 asks the runner to save its ring as a snapshot:
-  - anchors: the last block boundary before the end of the prompt, and the point where
-    the prompt left the cached prefix (a document's end, when its next question comes);
-  - speculative (evicted first): a few block boundaries before the end of the prompt (so
-    the first follow-up question about a document hits near its end), and the latest
-    block boundary while decoding (becomes an anchor when the sequence ends: the next
-    chat turn starts from it).
+  - anchors: a block boundary TRAILING_TOKENS before the end of the prompt (so that the
+    first follow-up question about a document, which leaves the first prompt where the
+    question starts, finds a state near the document's end; for a shorter prompt, its
+    end instead), and the point where the prompt left the cached prefix (a document's
+    end, once its next question comes; the snapshot loaded to get there is demoted);
+  - speculative (evicted first): the last block boundary before the end of the prompt
+    (an exact repeat), and the latest block boundary while decoding (the next chat turn
+    starts from it).
+A speculative snapshot that serves a hit becomes an anchor.
 """
 from __future__ import annotations
 
@@ -31,9 +34,8 @@ from headwise.cache.prefix_cache import PrefixIndex, block_hashes
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.spec import CacheGeometry, KVClassSpec
 
-# Speculative snapshots before the end of a prompt: this many, this many blocks apart.
-TRAILING_SNAPSHOTS = 2
-TRAILING_SNAPSHOT_BLOCKS = 8
+# A snapshot this many tokens (rounded to blocks) before the end of each prompt.
+TRAILING_TOKENS = 128
 
 
 class CacheConfigError(ValueError):
@@ -57,7 +59,8 @@ class PrefixHit:
     blocks: list[int] = field(default_factory=list)      # shared full-head blocks
     snapshot: int | None = None                          # window state at num_tokens
     points: list[int] = field(default_factory=list)      # planned snapshot points
-    anchors: frozenset[int] = frozenset()
+    anchors: frozenset[int] = frozenset()                # points saved as anchors
+    reach: int = 0                                       # how far the cached full blocks go
     num_prompt: int = 0
 
     def stop(self, start: int, end: int) -> int:
@@ -71,6 +74,7 @@ class _SeqBooks:
     hashes: list[int]
     num_registered: int = 0
     rolling: int | None = None     # its latest decode snapshot
+    saved: list[tuple[int, int]] = field(default_factory=list)  # (point, key) of its anchors
 
 
 class KVCacheManager:
@@ -147,10 +151,11 @@ class KVCacheManager:
         hit = PrefixHit(L, hashes, blocks[:n] if self.full.active else [], snapshot, num_prompt=P)
         if self.snapshot_pages:
             end = max_blocks * bs
-            anchors = {end, reach}
-            trailing = {end - k * TRAILING_SNAPSHOT_BLOCKS * bs for k in range(1, TRAILING_SNAPSHOTS + 1)}
-            hit.points = sorted(p for p in anchors | trailing if p > L)
+            trailing = end - TRAILING_TOKENS // bs * bs
+            anchors = {trailing if trailing > L else end, reach}
+            hit.points = sorted(p for p in anchors | {end} if p > L)
             hit.anchors = frozenset(anchors)
+            hit.reach = reach
         return hit
 
     def stop_point(self, seq_id: int, start: int, end: int) -> int:
@@ -180,7 +185,14 @@ class KVCacheManager:
             return
         key = h[nfull - 1]
         if num_computed in books.hit.points:
-            self._save(seq_id, key, num_computed in books.hit.anchors)
+            saved = self._save(seq_id, key, anchor=num_computed in books.hit.anchors)
+            if saved:
+                books.saved.append((num_computed, key))
+            loaded = self.index.snapshots.get(books.hit.snapshot)
+            if num_computed == books.hit.reach and (saved or key in self.index.snapshots) and loaded:
+                loaded.anchor = False  # the prefix's new, longer state supersedes it
+                for b in loaded.pages:
+                    self.full.blocks.set_low_priority(b, True)
         elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
             old = self.index.snapshots.get(books.rolling)
             if old is not None and not old.anchor:  # (one that served a hit stays)
@@ -194,8 +206,11 @@ class KVCacheManager:
                 snap.anchor = True
                 self.full.blocks.promote(snap.pages)
             return False
-        if self.snapshot_pages > self.full.blocks.num_free:
-            return False  # opportunistic: never at the expense of running sequences
+        pool = self.full.blocks
+        # Opportunistic: never at the expense of running sequences, and a speculative
+        # snapshot never evicts cached prefixes of normal priority.
+        if self.snapshot_pages > (pool.num_free if anchor else pool.num_spare):
+            return False
         pages = self.full.blocks.take(self.snapshot_pages)
         self.index.add_snapshot(key, pages, anchor)
         self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
@@ -254,13 +269,23 @@ class KVCacheManager:
 
     def free(self, seq_id: int) -> None:
         books = self._seqs.pop(seq_id, None)
-        if books is not None and books.rolling in self.index.snapshots:
-            # Its last state: where the next turn of a conversation starts.
-            snap = self.index.snapshots[books.rolling]
-            snap.anchor = True
-            self.full.blocks.promote(snap.pages)
-        for p in self.pools:
-            p.free(seq_id)
+        self.ring.free(seq_id)
+        if books is None:
+            self.full.free(seq_id)
+            return
+        # Eviction order, tail first: the blocks after its last snapshot, that snapshot,
+        # the blocks before it down to the previous snapshot, ... A snapshot saved early
+        # would otherwise be evicted long before the blocks it makes useful. (Its latest
+        # decode snapshot stays speculative: where a next chat turn starts, if memory
+        # allows, else from the end of its prompt.)
+        pool, table, hi = self.full.blocks, self.full.pop(seq_id), None
+        for point, key in sorted(books.saved, reverse=True):
+            pool.release(table[point // self.block_size:hi][::-1])
+            hi = point // self.block_size
+            snap = self.index.snapshots.get(key)
+            if snap is not None:
+                pool.refresh(snap.pages)
+        pool.release(table[:hi][::-1])
 
     def max_tokens_per_seq(self) -> int:
         return self.full.max_tokens()

@@ -62,6 +62,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                              "owned_by": "headwise", "max_model_len": engine.max_model_len}]}
 
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache():
+        """Forget every cached prefix (running requests keep their KV)."""
+        pages = await aeng.reset_prefix_cache()
+        return {"status": "ok", "pages_freed": pages}
+
     @app.post("/tokenize")
     async def tokenize(request: Request):
         body = P.parse_json_object(await request.body())
@@ -111,7 +117,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
 
     def _usage(u: Update) -> dict:
         return {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens,
-                "total_tokens": u.num_prompt_tokens + u.num_output_tokens}
+                "total_tokens": u.num_prompt_tokens + u.num_output_tokens,
+                "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens}}
 
     def _completion_logprobs(upds: list[Update]) -> dict:
         toks, lps, tops = [], [], []

@@ -30,6 +30,7 @@ class Update:
     error: str | None = None
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    num_cached_tokens: int = 0
 
 
 class _Handle:
@@ -77,6 +78,13 @@ class AsyncEngine:
         self._commands.put(("abort", handle))
         self._wake.set()
 
+    async def reset_prefix_cache(self) -> int:
+        """Run on the engine thread between steps (it owns the cache books)."""
+        done = asyncio.get_running_loop().create_future()
+        self._commands.put(("reset", done))
+        self._wake.set()
+        return await done
+
     def shutdown(self) -> None:
         self._stop = True
         self._wake.set()
@@ -114,7 +122,10 @@ class AsyncEngine:
                 op, h = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if op == "add":
+            if op == "reset":
+                pages = self.engine.reset_prefix_cache()
+                h.get_loop().call_soon_threadsafe(h.set_result, pages)
+            elif op == "add":
                 self._pending_adds -= 1
                 if h.seq.is_finished:  # aborted before it was added
                     continue
@@ -140,7 +151,7 @@ class AsyncEngine:
         lp = seq.logprobs[h.sent_tokens:n_tok] if seq.params.logprobs is not None else []
         top = seq.top_logprobs[h.sent_tokens:n_tok] if seq.params.logprobs else []
         upd = Update(text[h.sent_text:end], seq.output_token_ids[h.sent_tokens:n_tok], lp, top, done,
-                     seq.finish_reason, None, seq.num_prompt_tokens, n_tok)
+                     seq.finish_reason, None, seq.num_prompt_tokens, n_tok, seq.num_cached_tokens or 0)
         h.sent_text, h.sent_tokens = end, n_tok
         self._push(h, upd)
         if done:
@@ -162,4 +173,5 @@ class AsyncEngine:
 
     def _publish_state(self) -> None:
         s = self.engine.scheduler
-        self.metrics.update_state(len(s.running), self.num_waiting(), self.engine.cache.usage())
+        cache = self.engine.cache
+        self.metrics.update_state(len(s.running), self.num_waiting(), cache.usage(), cache.index.stats)

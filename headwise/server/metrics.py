@@ -26,14 +26,28 @@ class Metrics:
         self.prompt_tokens = Counter("headwise:prompt_tokens", "Prefilled prompt tokens", lbl, registry=r)
         self.generation_tokens = Counter("headwise:generation_tokens", "Generated tokens", lbl, registry=r)
         self.finished = Counter("headwise:request_success", "Finished requests", lbl + ["finished_reason"], registry=r)
+        self.prefix_queries = Counter("headwise:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      lbl, registry=r)
+        self.prefix_hits = Counter("headwise:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   lbl, registry=r)
+        self.cached_bytes = Gauge("headwise:kv_cache_cached_bytes",
+                                  "Bytes of cached prefixes no request uses (reclaimable), per head class",
+                                  lbl + ["head_class"], registry=r)
+        self._prefix_seen = (0, 0)
 
-    def update_state(self, running: int, waiting: int, usage: dict) -> None:
+    def update_state(self, running: int, waiting: int, usage: dict, prefix) -> None:
+        """prefix: the cache's PrefixStats (cumulative queried and hit tokens)."""
         m = self.model
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         for pool, u in usage.items():
             self.kv_usage.labels(m, pool).set(u["usage"])
             self.kv_bytes.labels(m, pool).set(u["used_bytes"])
+            self.cached_bytes.labels(m, "full" if pool == "full" else "window").set(u["cached_bytes"])
+        queries, hits = self._prefix_seen
+        self.prefix_queries.labels(m).inc(prefix.queries - queries)
+        self.prefix_hits.labels(m).inc(prefix.hits - hits)
+        self._prefix_seen = (prefix.queries, prefix.hits)
 
     def on_finished(self, seq) -> None:
         m = self.model
