@@ -85,3 +85,19 @@ def test_linear_benchmark_harness(tmp_path):
     assert [r["rows"] for r in lin] == [1, 9] == [r["rows"] for r in mlp]
     assert all(r["plain_ms"] > 0 and r["packed_ms"] > 0 and r["int4_ms"] > 0 for r in lin)
     assert all(r["mlp_plain_ms"] > 0 and r["mlp_headwise_ms"] > 0 for r in mlp)
+
+
+def test_prefix_bench_counts_resident_documents():
+    """bench_prefix's capacity count on a tiny shape: a split layout keeps more cached
+    documents in the same budget than `full`, and each one is then a hit."""
+    import torch
+
+    from benchmarks.bench_prefix import resident_documents
+    from headwise.cache.layout import HeadLayout
+
+    shape = (2, 4, 8)
+    split = HeadLayout.from_full_set("s", shape, {(0, 0), (1, 0)}, sink=4, window=32)
+    budget = 8_000_000
+    full_n, full_per = resident_documents(HeadLayout.full(shape), budget, 3000, 2, torch.float32, num_docs=30)
+    split_n, split_per = resident_documents(split, budget, 3000, 2, torch.float32, num_docs=30)
+    assert 0 < full_n < split_n and split_per < full_per
