@@ -2,18 +2,20 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from headwise.bench_serve import add_bench
 from headwise.cache.layout import LayoutError
 from headwise.calibration.cli import add_calibrate
-from headwise.config import EngineConfig, add_engine_args, engine_options
+from headwise.config import EngineConfig, add_engine_args, engine_options, parse_size
 from headwise.demo import run_demo
 from headwise.engine.llm_engine import LLMEngine
 from headwise.evaluation.cli import add_eval
 from headwise.llm import LLM
 from headwise.sampling import SamplingParams
-from headwise.server.app import serve
+from headwise.server.app import DEFAULT_MAX_REQUEST_BYTES, serve
+from headwise.server.guards import API_KEY_ENV
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -45,8 +47,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    if args.shutdown_timeout < 0:
+        raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
     engine = LLMEngine(EngineConfig.from_options(args.model, engine_options(args)))
-    serve(engine, args.host, args.port, engine.config.max_queue, args.served_model_name)
+    serve(engine, args.host, args.port, engine.config.max_queue, args.served_model_name,
+          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+          max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
     return 0
 
 
@@ -84,6 +90,13 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--host", default="127.0.0.1")
     sv.add_argument("--port", type=int, default=8000)
     sv.add_argument("--served-model-name", default=None)
+    sv.add_argument("--api-key", default=None,
+                    help=f"require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize and admin routes "
+                         f"(default: ${API_KEY_ENV} if set; /health and /metrics stay open)")
+    sv.add_argument("--max-request-bytes", type=parse_size, default=DEFAULT_MAX_REQUEST_BYTES,
+                    help="larger request bodies get 413 (default: %(default)s; units allowed)")
+    sv.add_argument("--shutdown-timeout", type=float, default=30.0,
+                    help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted")
     sv.set_defaults(func=cmd_serve, max_queue=256)
 
     add_bench(sub)

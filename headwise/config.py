@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -22,6 +23,23 @@ class ConfigError(ValueError):
     pass
 
 
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB', '512MiB', '1.5GB', '1073741824' -> bytes (binary and decimal units)."""
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([A-Za-z]*)\s*", str(text))
+    unit = m and m.group(2).lower()
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(
+            f"not a size: {text!r}; use bytes or a unit such as 512MiB, 2GiB, 1.5GB")
+    n = int(float(m.group(1)) * _UNITS[unit])
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"a size must be at least 1 byte, got {text!r}")
+    return n
+
+
 def _opt(default: Any, help: str, type: Any = None, choices: tuple | None = None) -> Any:
     """A field whose CLI flag (--name-with-dashes) is generated from it: name, default,
     type, choices and help are written once, here."""
@@ -39,7 +57,8 @@ class EngineConfig:
     head_layout: Any = _opt(None, "full | window | PATH to a layout JSON (default: the model's "
                             "shipped layout, else full)", str)
     block_size: int = _opt(16, "tokens per full-head KV block", int)
-    kv_cache_memory: int = _opt(1 << 30, "bytes for the KV cache (both pools)", int)
+    kv_cache_memory: int = _opt(1 << 30, "bytes for the KV cache (both pools); units allowed: 2GiB, "
+                                "512MiB", parse_size)
     max_num_seqs: int = _opt(32, "sequences running at once (one window-head ring each)", int)
     max_num_batched_tokens: int = _opt(2048, "token budget of one engine step; longer prompts "
                                        "are prefilled in chunks of it", int)

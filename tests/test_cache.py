@@ -16,7 +16,7 @@ def test_block_pool_exact_ids_and_reuse():
     a = pool.take(2)
     b = pool.take(3)
     assert (a, b) == ([0, 1], [2, 3, 4])
-    pool.give_back(a)
+    pool.release(a)
     assert pool.take(3) == [5, 0, 1]  # FIFO: never-used block first, then freed ones
     with pytest.raises(CacheFullError):
         pool.take(1)

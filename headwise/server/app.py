@@ -8,21 +8,28 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
-from fastapi import FastAPI, Request
+import uvicorn
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from headwise.engine.llm_engine import LLMEngine, PromptTooLongError
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import protocol as P
-from headwise.server.async_engine import AsyncEngine, Update
+from headwise.server.async_engine import AsyncEngine, ShuttingDownError, Update
+from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
+
+DEFAULT_MAX_REQUEST_BYTES = 4 << 20
 
 
 def _error(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None,
-               max_queue: int | None = None) -> FastAPI:
+def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queue: int | None = None,
+               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app over one engine. api_key: required as a Bearer token on /v1/*, /tokenize,
+    /detokenize and /reset_prefix_cache (/health and /metrics stay open)."""
     aeng = AsyncEngine(engine, max_queue)
 
     @contextlib.asynccontextmanager
@@ -30,21 +37,24 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         yield
         aeng.shutdown()
 
-    app = FastAPI(title="headwise", docs_url=None, redoc_url=None, lifespan=lifespan)
+    app = FastAPI(title="headwise", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan,
+                  description="OpenAI-compatible API of the headwise engine")
+    app.add_middleware(GuardMiddleware, max_bytes=max_request_bytes)
     app.state.engine = aeng
     name = served_model_name or engine.model_name
     created = int(time.time())
     tok = engine.tokenizer
+    vocab = engine.model_config.vocab_size
+    max_chars = engine.max_model_len * max_chars_per_token(tok)
+    api = APIRouter(dependencies=[Depends(api_key_dependency(api_key))], responses=P.ERRORS)
 
     @app.exception_handler(P.APIError)
     async def _api_error(_: Request, e: P.APIError):
         return _error(e)
 
-    @app.exception_handler(Exception)
-    async def _unexpected(_: Request, e: Exception):
-        err = P.APIError(500, f"internal error: {type(e).__name__}: {e}", code="internal_error",
-                         type_="server_error")
-        return _error(err)
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, e: RequestValidationError):
+        return _error(P.from_validation_errors(e.errors()))
 
     @app.get("/health")
     async def health():
@@ -57,37 +67,45 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         aeng._publish_state()
         return Response(aeng.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models")
+    @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
                                              "owned_by": "headwise", "max_model_len": engine.max_model_len}]}
 
-    @app.post("/reset_prefix_cache")
+    @api.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Forget every cached prefix (running requests keep their KV)."""
         pages = await aeng.reset_prefix_cache()
         return {"status": "ok", "pages_freed": pages}
 
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
-        body = P.parse_json_object(await request.body())
-        if "messages" in body:
-            ids = await asyncio.to_thread(tok.encode_chat, P.chat_messages(body))
-        elif isinstance(body.get("prompt"), str):
-            special = body.get("add_special_tokens", True)
-            ids = await asyncio.to_thread(tok.encode, body["prompt"], bool(special))
+    def _refuse_long_text(chars: int, param: str) -> None:
+        # Cheap and certain: no tokenization of this many characters fits the context.
+        if chars > max_chars:
+            raise P.APIError(400, f"the prompt has {chars} characters, more than any prompt of at most "
+                             f"{engine.max_model_len} tokens can have; shorten it", param,
+                             "context_length_exceeded")
+
+    @api.post("/tokenize", response_model=P.TokenizeResponse)
+    async def tokenize(req: P.TokenizeRequest):
+        if req.messages is not None:
+            msgs = P.chat_messages(req.messages)
+            _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
+            try:
+                ids = await asyncio.to_thread(tok.encode_chat, msgs)
+            except ValueError as e:
+                raise P.bad(str(e), "messages") from None
+        elif req.prompt is not None:
+            _refuse_long_text(len(req.prompt), "prompt")
+            ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
         else:
             raise P.bad("give prompt (a string) or messages", "prompt")
         return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
 
-    @app.post("/detokenize")
-    async def detokenize(request: Request):
-        body = P.parse_json_object(await request.body())
-        ids = body.get("tokens")
-        vocab = engine.model_config.vocab_size
-        if not isinstance(ids, list) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+    @api.post("/detokenize", response_model=P.DetokenizeResponse)
+    async def detokenize(req: P.DetokenizeRequest):
+        if not all(0 <= t < vocab for t in req.tokens):
             raise P.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-        return {"prompt": tok.decode(ids, skip_special_tokens=False)}
+        return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
     def _check_model(req: P.GenerationRequest) -> None:
         if req.model is not None and req.model != name:
@@ -95,6 +113,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
                              "model", "model_not_found")
 
     async def _submit(ids: list[int], req: P.GenerationRequest, chat: bool):
+        if any(t >= vocab for t in req.params.stop_token_ids):
+            raise P.bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         if chat and not req.max_tokens_given:
             req.params.max_tokens = max(1, engine.max_model_len - len(ids))
         try:
@@ -114,6 +134,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
             return rid, aeng.submit(ids, req.params, rid)
         except QueueFullError as e:
             raise P.APIError(503, str(e), None, "queue_full") from None
+        except ShuttingDownError as e:
+            raise P.APIError(503, str(e), None, "shutting_down") from None
 
     def _usage(u: Update) -> dict:
         return {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens,
@@ -161,7 +183,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
     def _final(upds: list[Update]) -> Update:
         last = upds[-1]
         if last.error:
-            raise P.APIError(500, last.error, None, "engine_error", "server_error")
+            raise _engine_error(last)
         return last
 
     async def _stream(handle, rid: str, chat: bool, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
@@ -183,7 +205,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
                 u = await handle.queue.get()
                 if u.error:
                     finished = True
-                    yield f"data: {json.dumps(P.APIError(500, u.error, None, 'engine_error', 'server_error').body())}\n\n"
+                    yield f"data: {json.dumps(_engine_error(u).body())}\n\n"
                     break
                 if u.text or u.token_ids or u.finished:
                     lp = None
@@ -225,40 +247,56 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None,
         return {"id": rid, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": [choice], "usage": _usage(last)}
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
-        body = P.parse_json_object(await request.body())
-        req = P.sampling_from(body, chat=False, default_max_tokens=16)
-        _check_model(req)
-        prompt = P.completion_prompt(body)
-        ids = await asyncio.to_thread(tok.encode, prompt) if isinstance(prompt, str) else prompt
-        if not ids:
-            raise P.bad("the prompt is empty", "prompt")
-        return await _respond(request, ids, req, chat=False)
+    @api.post("/v1/completions", response_model=None,
+              responses={200: {"model": P.CompletionResponse,
+                               "description": "JSON, or server-sent events ending with data: [DONE]"}})
+    async def completions(req: P.CompletionRequest, request: Request):
+        gen = P.generation(req, chat=False, default_max_tokens=16)
+        _check_model(gen)
+        prompt = P.completion_prompt(req)
+        if isinstance(prompt, str):
+            _refuse_long_text(len(prompt), "prompt")
+            prompt = await asyncio.to_thread(tok.encode, prompt)
+        return await _respond(request, prompt, gen, chat=False)
 
-    @app.post("/v1/chat/completions")
-    async def chat_completions(request: Request):
-        body = P.parse_json_object(await request.body())
-        req = P.sampling_from(body, chat=True, default_max_tokens=None)
-        _check_model(req)
-        msgs = P.chat_messages(body)
+    @api.post("/v1/chat/completions", response_model=None,
+              responses={200: {"model": P.ChatCompletionResponse,
+                               "description": "JSON, or server-sent events ending with data: [DONE]"}})
+    async def chat_completions(req: P.ChatCompletionRequest, request: Request):
+        gen = P.generation(req, chat=True, default_max_tokens=None)
+        _check_model(gen)
+        msgs = P.chat_messages(req.messages)
+        _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
         try:
             ids = await asyncio.to_thread(tok.encode_chat, msgs)
         except ValueError as e:
             raise P.bad(str(e), "messages") from None
-        return await _respond(request, ids, req, chat=True)
+        return await _respond(request, ids, gen, chat=True)
 
+    app.include_router(api)
     return app
 
 
-def serve(engine: LLMEngine, host: str, port: int, max_queue: int | None,
-          served_model_name: str | None = None) -> None:
-    import uvicorn
+def _engine_error(u: Update) -> P.APIError:
+    if u.error_status == 503:
+        return P.APIError(503, u.error, None, "shutting_down")
+    return P.APIError(500, u.error, None, "engine_error", "server_error")
 
-    app = create_app(engine, served_model_name, max_queue)
+
+def serve(engine: LLMEngine, host: str, port: int, max_queue: int | None,
+          served_model_name: str | None = None, api_key: str | None = None,
+          max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES, shutdown_timeout: float = 30.0) -> None:
+    """Serve until SIGTERM/SIGINT; then stop admitting, let running requests finish within
+    `shutdown_timeout` seconds, abort the rest (their KV freed) and return."""
+    app = create_app(engine, served_model_name, max_queue, api_key, max_request_bytes)
     print(f"headwise serving {served_model_name or engine.model_name} on http://{host}:{port} "
-          f"(layout {engine.layout.name}, {engine.layout.full_fraction:.0%} full heads)", flush=True)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+          f"(layout {engine.layout.name}, {engine.layout.full_fraction:.0%} full heads"
+          f"{', API key required' if api_key else ''})", flush=True)
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=int(shutdown_timeout) + 5)
+    GracefulServer(config, app.state.engine, shutdown_timeout).run()
+    used = sum(u["used_bytes"] for u in engine.cache.usage().values())
+    print(f"headwise stopped; KV bytes in use: {used}", flush=True)
 
 
 __all__: list[Any] = ["create_app", "serve"]

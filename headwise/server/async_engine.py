@@ -31,6 +31,11 @@ class Update:
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
     num_cached_tokens: int = 0
+    error_status: int = 500        # 503 when the server aborted it to shut down
+
+
+class ShuttingDownError(RuntimeError):
+    pass
 
 
 class _Handle:
@@ -55,6 +60,7 @@ class AsyncEngine:
         self._stop = False
         self._pending_adds = 0
         self.alive = True
+        self.draining = False
         self.steps = 0
         self._thread = threading.Thread(target=self._loop, name="headwise-engine", daemon=True)
         self._thread.start()
@@ -65,6 +71,8 @@ class AsyncEngine:
 
     def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _Handle:
         """Queue a validated request; raises QueueFullError when the waiting queue is full."""
+        if self.draining:
+            raise ShuttingDownError("the server is shutting down; retry on another replica or later")
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
         seq = Sequence(prompt_ids, params, request_id)
@@ -77,6 +85,18 @@ class AsyncEngine:
     def abort(self, handle: _Handle) -> None:
         self._commands.put(("abort", handle))
         self._wake.set()
+
+    def drain(self, timeout: float) -> None:
+        """Admit nothing more; abort what is still running after `timeout` seconds."""
+        self.draining = True
+
+        def expire() -> None:
+            self._commands.put(("fail_all", None))
+            self._wake.set()
+
+        timer = threading.Timer(timeout, expire)
+        timer.daemon = True
+        timer.start()
 
     async def reset_prefix_cache(self) -> int:
         """Run on the engine thread between steps (it owns the cache books)."""
@@ -122,7 +142,9 @@ class AsyncEngine:
                 op, h = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if op == "reset":
+            if op == "fail_all":
+                self._fail_all("the server is shutting down; the request was aborted", 503)
+            elif op == "reset":
                 pages = self.engine.reset_prefix_cache()
                 h.get_loop().call_soon_threadsafe(h.set_result, pages)
             elif op == "add":
@@ -158,11 +180,12 @@ class AsyncEngine:
             self.metrics.on_finished(seq)
             self._handles.pop(seq.seq_id, None)
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_all(self, message: str, status: int = 500) -> None:
         for h in list(self._handles.values()):
             if not h.seq.is_finished:
                 self.engine.abort(h.seq)
-            self._push(h, Update("", [], [], [], True, "abort", error=message))
+                self.metrics.on_finished(h.seq)
+            self._push(h, Update("", [], [], [], True, "abort", error=message, error_status=status))
         self._handles.clear()
 
     def _push(self, h: _Handle, upd: Update) -> None:
