@@ -25,7 +25,8 @@ def _free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(model: str, max_queue: int = 64, **engine_options):
+def running_server(model: str, max_queue: int = 64, api_key: str | None = None,
+                   max_request_bytes: int = 4 << 20, **engine_options):
     import uvicorn
 
     from headwise.server.app import create_app
@@ -33,7 +34,7 @@ def running_server(model: str, max_queue: int = 64, **engine_options):
     opts = dict(head_layout="full", kv_cache_memory=1 << 24, max_model_len=512)
     opts.update(engine_options)
     engine = LLMEngine(EngineConfig.from_options(model, opts))
-    app = create_app(engine, max_queue=max_queue)
+    app = create_app(engine, max_queue=max_queue, api_key=api_key, max_request_bytes=max_request_bytes)
     port = _free_port()
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     t = threading.Thread(target=server.run, daemon=True)

@@ -12,6 +12,7 @@ import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from headwise.engine.llm_engine import LLMEngine, PromptTooLongError
 from headwise.engine.scheduler import QueueFullError
@@ -55,6 +56,12 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, e: RequestValidationError):
         return _error(P.from_validation_errors(e.errors()))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, e: StarletteHTTPException):
+        # FastAPI's own refusals (unreadable body, unknown route, wrong method), enveloped.
+        code = {400: "malformed_json", 404: "not_found", 405: "method_not_allowed"}.get(e.status_code, "http_error")
+        return _error(P.APIError(e.status_code, str(e.detail), None, code))
 
     @app.get("/health")
     async def health():

@@ -34,14 +34,11 @@ def api_key_dependency(api_key: str | None):
     return check
 
 
-class BodyTooLarge(Exception):
-    pass
-
-
 class GuardMiddleware:
-    """Pure ASGI middleware: refuses bodies over `max_bytes` (413, by Content-Length
-    before reading, or while reading a chunked body), and turns any exception that
-    escapes the app into a 500 in the envelope without dropping the connection."""
+    """Pure ASGI middleware: refuses bodies over `max_bytes` with 413 (by Content-Length
+    before reading; a chunked body is read here, up to the bound, and replayed), and
+    turns any exception that escapes the app into a 500 in the envelope without dropping
+    the connection."""
 
     def __init__(self, app, max_bytes: int) -> None:
         self.app, self.max_bytes = app, max_bytes
@@ -50,18 +47,21 @@ class GuardMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await _send_error(send, _too_large(self.max_bytes))
-        seen, started = 0, False
-
-        async def limited_receive():
-            nonlocal seen
-            msg = await receive()
-            if msg["type"] == "http.request":
-                seen += len(msg.get("body", b""))
-                if seen > self.max_bytes:
-                    raise BodyTooLarge()
-            return msg
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await _send_error(send, _too_large(self.max_bytes))
+        elif scope["method"] in ("POST", "PUT", "PATCH"):
+            body, more = b"", True
+            while more:
+                msg = await receive()
+                if msg["type"] != "http.request":
+                    return  # the client went away
+                body += msg.get("body", b"")
+                more = msg.get("more_body", False)
+                if len(body) > self.max_bytes:
+                    return await _send_error(send, _too_large(self.max_bytes))
+            receive = _replay(body, receive)
+        started = False
 
         async def tracking_send(msg):
             nonlocal started
@@ -69,14 +69,24 @@ class GuardMiddleware:
             await send(msg)
 
         try:
-            await self.app(scope, limited_receive, tracking_send)
-        except BodyTooLarge:
-            if not started:
-                await _send_error(send, _too_large(self.max_bytes))
+            await self.app(scope, receive, tracking_send)
         except Exception as e:  # a genuine fault: answer it, keep serving the connection
             if not started:
                 await _send_error(send, APIError(500, f"internal error: {type(e).__name__}: {e}",
                                                  None, "internal_error", "server_error"))
+
+
+def _replay(body: bytes, receive):
+    sent = False
+
+    async def replay():
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()  # later: a disconnect
+
+    return replay
 
 
 def _too_large(limit: int) -> APIError:
