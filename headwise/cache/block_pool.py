@@ -98,9 +98,15 @@ class BlockPool:
         """Cached pages stop being low priority (free ones move to the LRU tail)."""
         for b in ids:
             if self._low_priority[b]:
-                self.set_low_priority(b, False)
+                self._set_low_priority(b, False)
 
-    def set_low_priority(self, b: int, low: bool) -> None:
+    def demote(self, ids: list[int]) -> None:
+        """Cached pages become low priority (evicted before the LRU queue)."""
+        for b in ids:
+            if not self._low_priority[b]:
+                self._set_low_priority(b, True)
+
+    def _set_low_priority(self, b: int, low: bool) -> None:
         if self.ref[b] == 0:
             self._unqueue(b)
             self._low_priority[b] = low

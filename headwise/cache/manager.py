@@ -141,14 +141,12 @@ class KVCacheManager:
         n = len(blocks) if self.full.active else max_blocks
         reach = n * bs  # how far the cached full blocks go
         snapshot = None
-        if self.snapshot_pages:
+        if self.snapshot_pages:  # window heads: the latest saved state within the reach
             while n and hashes[n - 1] not in self.index.snapshots:
                 n -= 1
             snapshot = hashes[n - 1] if n else None
-        elif self.ring.active:
-            n = 0  # window state cannot be cached: nothing to reuse
         L = n * bs
-        hit = PrefixHit(L, hashes, blocks[:n] if self.full.active else [], snapshot, num_prompt=P)
+        hit = PrefixHit(L, hashes, blocks[:n], snapshot, num_prompt=P)
         if self.snapshot_pages:
             end = max_blocks * bs
             trailing = end - TRAILING_TOKENS // bs * bs
@@ -189,10 +187,9 @@ class KVCacheManager:
             if saved:
                 books.saved.append((num_computed, key))
             loaded = self.index.snapshots.get(books.hit.snapshot)
-            if num_computed == books.hit.reach and (saved or key in self.index.snapshots) and loaded:
+            if num_computed == books.hit.reach and key in self.index.snapshots and loaded:
                 loaded.anchor = False  # the prefix's new, longer state supersedes it
-                for b in loaded.pages:
-                    self.full.blocks.set_low_priority(b, True)
+                self.full.blocks.demote(loaded.pages)
         elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
             old = self.index.snapshots.get(books.rolling)
             if old is not None and not old.anchor:  # (one that served a hit stays)
@@ -211,7 +208,7 @@ class KVCacheManager:
         # snapshot never evicts cached prefixes of normal priority.
         if self.snapshot_pages > (pool.num_free if anchor else pool.num_spare):
             return False
-        pages = self.full.blocks.take(self.snapshot_pages)
+        pages = pool.take(self.snapshot_pages)
         self.index.add_snapshot(key, pages, anchor)
         self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
         return True
