@@ -92,15 +92,18 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
                              f"{engine.max_model_len} tokens can have; shorten it", param,
                              "context_length_exceeded")
 
+    async def _chat_ids(messages: list[P.ChatMessage]) -> list[int]:
+        msgs = P.chat_messages(messages)
+        _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
+        try:
+            return await asyncio.to_thread(tok.encode_chat, msgs)
+        except ValueError as e:  # no chat template
+            raise P.bad(str(e), "messages") from None
+
     @api.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
         if req.messages is not None:
-            msgs = P.chat_messages(req.messages)
-            _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
-            try:
-                ids = await asyncio.to_thread(tok.encode_chat, msgs)
-            except ValueError as e:
-                raise P.bad(str(e), "messages") from None
+            ids = await _chat_ids(req.messages)
         elif req.prompt is not None:
             _refuse_long_text(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
@@ -272,13 +275,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         gen = P.generation(req, chat=True, default_max_tokens=None)
         _check_model(gen)
-        msgs = P.chat_messages(req.messages)
-        _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
-        try:
-            ids = await asyncio.to_thread(tok.encode_chat, msgs)
-        except ValueError as e:
-            raise P.bad(str(e), "messages") from None
-        return await _respond(request, ids, gen, chat=True)
+        return await _respond(request, await _chat_ids(req.messages), gen, chat=True)
 
     app.include_router(api)
     return app
