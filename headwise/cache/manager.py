@@ -30,7 +30,7 @@ import torch
 from headwise.cache.block_pool import BlockPool
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
-from headwise.cache.prefix_cache import PrefixIndex, block_hashes
+from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.spec import CacheGeometry, KVClassSpec
 
@@ -111,8 +111,8 @@ class KVCacheManager:
         self.snapshot_pages = (-(-geo.ring_bytes // self.page_bytes)
                                if self.caching and self.ring.active and self.page_bytes else 0)
         # Different KV never shares a key: the root names the layout, dtype, block size.
-        self._root = ("headwise", layout.shape, str(dtype), block_size,
-                      tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row))
+        self._root = root_hash(("headwise", layout.shape, str(dtype), block_size,
+                                tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
         self._seqs: dict[int, _SeqBooks] = {}
         self._ops: list[RingCopy] = []
 

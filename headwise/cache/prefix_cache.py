@@ -15,20 +15,29 @@ L tokens is a hit when the full blocks covering [0, L) and the snapshot at L are
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
 from dataclasses import dataclass, field
 from typing import Hashable
 
 from headwise.cache.block_pool import BlockPool, PageKey
 
 
-def block_hashes(root: Hashable, token_ids: list[int], block_size: int,
-                 prev: int | None = None) -> list[int]:
+def root_hash(root: Hashable) -> int:
+    """The chain's first link, from a description of what the KV is (layout, dtype, ...)."""
+    return int.from_bytes(hashlib.blake2b(repr(root).encode(), digest_size=8).digest(), "little")
+
+
+def block_hashes(root: int, token_ids: list[int], block_size: int, prev: int | None = None) -> list[int]:
     """Chained hashes of the full blocks of `token_ids`, which start at a block boundary
-    right after the block hashed `prev` (None: at the start of the sequence)."""
+    right after the block hashed `prev` (None: at the start of the sequence, after
+    `root`). blake2b, not hash(): keys must be the same in every process (disk tier)."""
     out = []
-    h = hash(root) if prev is None else prev
+    h = root if prev is None else prev
     for i in range(0, len(token_ids) - block_size + 1, block_size):
-        h = hash((h, tuple(token_ids[i:i + block_size])))
+        d = hashlib.blake2b(h.to_bytes(8, "little"), digest_size=8)
+        d.update(array("q", token_ids[i:i + block_size]).tobytes())
+        h = int.from_bytes(d.digest(), "little")
         out.append(h)
     return out
 
