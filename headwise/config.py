@@ -76,14 +76,21 @@ class EngineConfig:
                                  "(DuoAttention) or rebased (StreamingLLM)", str, WINDOW_POSITIONS)
     enable_prefix_caching: bool = _opt(True, "reuse the KV of prompt prefixes seen before (full-head "
                                        "blocks and window-head state)", bool)
+    kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "
+                                      "memory are written there and read back instead of recomputed, "
+                                      "also by a later process", str)
+    kv_offload_bytes: int = _opt(16 << 30, "bound on the KV offload directory (LRU beyond it); units "
+                                 "allowed", parse_size)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
-        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens"):
+        for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "kv_offload_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_dir needs enable_prefix_caching=True")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("max_model_len", "max_queue", "num_threads"):

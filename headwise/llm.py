@@ -105,6 +105,16 @@ class LLM:
     def cache_usage(self) -> dict[str, dict[str, float]]:
         return self.engine.cache.usage()
 
+    def close(self) -> None:
+        """Copy cached prefixes to the KV offload directory (if one is set) and wait."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of pages that held one."""
         return self.engine.reset_prefix_cache()

@@ -33,14 +33,15 @@ class FullHeadPool:
         idle = sum(self.blocks.is_free(b) for b in shared)
         return self.blocks_for(num_tokens) - len(shared) + idle <= self.blocks.num_free
 
-    def allocate(self, seq_id: int, num_tokens: int, shared: list[int] = ()) -> None:
+    def allocate(self, seq_id: int, num_tokens: int, head: list[int] = ()) -> None:
+        """head: the blocks its table starts with, already held for it by the caller
+        (cached blocks it shares, blocks filled from the disk tier)."""
         if seq_id in self.tables:
             raise ValueError(f"sequence {seq_id} already holds blocks")
-        self.blocks.touch(list(shared))
         self.tables[seq_id] = []
         self._runs[seq_id] = []
-        self._extend(seq_id, list(shared))
-        self._extend(seq_id, self.blocks.take(max(0, self.blocks_for(num_tokens) - len(shared))))
+        self._extend(seq_id, list(head))
+        self._extend(seq_id, self.blocks.take(max(0, self.blocks_for(num_tokens) - len(head))))
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         need = self.blocks_for(num_tokens) - len(self.tables[seq_id])

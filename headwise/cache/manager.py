@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from headwise.cache.block_pool import BlockPool
+from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
@@ -52,6 +53,20 @@ class RingCopy:
 
 
 @dataclass
+class PageOut:
+    """Copy pages out to the disk tier (before they are reused)."""
+    entry: TierEntry
+    pages: list[int]
+
+
+@dataclass
+class PageIn:
+    """Fill pages with bytes read from the disk tier."""
+    pages: list[int]
+    data: object           # uint8 tensor on the CPU, as the tier read it
+
+
+@dataclass
 class PrefixHit:
     """What match_prefix found for one prompt (plain data, used by the next allocate)."""
     num_tokens: int = 0                                  # cached prefix length
@@ -62,6 +77,9 @@ class PrefixHit:
     anchors: frozenset[int] = frozenset()                # points saved as anchors
     reach: int = 0                                       # how far the cached full blocks go
     num_prompt: int = 0
+    # From the disk tier, read and verified: blocks after `blocks`, then maybe the snapshot.
+    from_disk: list[tuple[TierEntry, object]] = field(default_factory=list)
+    pending: bool = False   # its prefix is being read from disk: admit it on a later step
 
     def stop(self, start: int, end: int) -> int:
         """End of a prefill chunk [start, end): cut at the first planned snapshot point."""
@@ -114,7 +132,21 @@ class KVCacheManager:
         self._root = root_hash(("headwise", layout.shape, str(dtype), block_size,
                                 tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
         self._seqs: dict[int, _SeqBooks] = {}
-        self._ops: list[RingCopy] = []
+        self._ops: list[RingCopy | PageOut | PageIn] = []
+        self.tier: DiskTier | None = None
+
+    def attach_tier(self, tier: DiskTier) -> None:
+        """Evicted prefixes go to `tier` and hits may come back from it (prefix caching
+        must be on). Its fingerprint must name this cache's root (see root)."""
+        if not self.caching:
+            raise CacheConfigError("a KV offload directory needs prefix caching (enable_prefix_caching=True)")
+        self.tier = tier
+        self.index.on_evicted = self._offload
+
+    @property
+    def root(self) -> int:
+        """First link of the block-hash chain (names the layout, dtype and block size)."""
+        return self._root
 
     @property
     def num_blocks(self) -> int:
@@ -139,14 +171,37 @@ class KVCacheManager:
         hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
         blocks = self.index.cached_blocks(hashes) if self.full.active else []
         n = len(blocks) if self.full.active else max_blocks
+        tier = self.tier
+        if tier is not None and self.full.active:  # the chain may go on in the disk tier
+            while n < max_blocks and tier.has("b", hashes[n]):
+                n += 1
         reach = n * bs  # how far the cached full blocks go
-        snapshot = None
+        snapshot, snap_on_disk = None, False
         if self.snapshot_pages:  # window heads: the latest saved state within the reach
             while n and hashes[n - 1] not in self.index.snapshots:
+                if tier is not None and tier.has("s", hashes[n - 1]):
+                    snap_on_disk = True
+                    break
                 n -= 1
             snapshot = hashes[n - 1] if n else None
         L = n * bs
         hit = PrefixHit(L, hashes, blocks[:n], snapshot, num_prompt=P)
+        need = [("b", h) for h in hashes[len(hit.blocks):n]] if self.full.active else []
+        need += [("s", snapshot)] if snap_on_disk else []
+        if need:
+            got = [tier.ready(*i) for i in need]
+            if any(g is None for g in got):
+                tier.prefetch([i for i, g in zip(need, got) if g is None])
+                if any(tier.is_pending(*i) for i in need):
+                    hit.pending = True
+                    return hit
+                return self.match_prefix(token_ids)  # a read failed: that entry is gone
+            for entry, _ in got:  # verified against the prompt's tokens, not the hash alone
+                i = hashes.index(entry.key)
+                if entry.tokens != token_ids[i * bs:(i + 1) * bs] or entry.parent != (hashes[i - 1] if i else self._root):
+                    tier.drop(entry.kind, entry.key, "tokens differ from the prompt's")
+                    return self.match_prefix(token_ids)
+            hit.from_disk = got
         if self.snapshot_pages:
             end = max_blocks * bs
             trailing = end - TRAILING_TOKENS // bs * bs
@@ -171,19 +226,22 @@ class KVCacheManager:
             return
         bs = self.block_size
         nfull = num_computed // bs
-        h = books.hashes
-        if nfull > len(h):
-            h += block_hashes(self._root, token_ids(len(h) * bs, nfull * bs), bs, h[-1] if h else None)
-        if self.full.active:
-            table = self.full.tables[seq_id]
-            for i in range(books.num_registered, nfull):
-                self.index.add_block(h[i], table[i])
-        books.num_registered = max(books.num_registered, nfull)
+        h, done = books.hashes, books.num_registered
+        if nfull > done:
+            toks = token_ids(done * bs, nfull * bs)
+            h += block_hashes(self._root, toks, bs, h[-1] if h else None)
+            if self.full.active:
+                table = self.full.tables[seq_id]
+                for i in range(done, nfull):
+                    self.index.add_block(h[i], table[i], h[i - 1] if i else self._root,
+                                         toks[(i - done) * bs:(i - done + 1) * bs])
+            books.num_registered = nfull
         if not self.snapshot_pages or num_computed % bs or not num_computed:
             return
         key = h[nfull - 1]
+        meta = (h[nfull - 2] if nfull > 1 else self._root, token_ids(num_computed - bs, num_computed))
         if num_computed in books.hit.points:
-            saved = self._save(seq_id, key, anchor=num_computed in books.hit.anchors)
+            saved = self._save(seq_id, key, num_computed in books.hit.anchors, meta)
             if saved:
                 books.saved.append((num_computed, key))
             loaded = self.index.snapshots.get(books.hit.snapshot)
@@ -194,9 +252,9 @@ class KVCacheManager:
             old = self.index.snapshots.get(books.rolling)
             if old is not None and not old.anchor:  # (one that served a hit stays)
                 self.index.drop_snapshot(books.rolling)
-            books.rolling = key if self._save(seq_id, key, anchor=False) else None
+            books.rolling = key if self._save(seq_id, key, False, meta) else None
 
-    def _save(self, seq_id: int, key: int, anchor: bool) -> bool:
+    def _save(self, seq_id: int, key: int, anchor: bool, meta: tuple[int, list[int]]) -> bool:
         snap = self.index.snapshots.get(key)
         if snap is not None:  # another sequence saved this state already
             if anchor and not snap.anchor:
@@ -209,18 +267,34 @@ class KVCacheManager:
         if self.snapshot_pages > (pool.num_free if anchor else pool.num_spare):
             return False
         pages = pool.take(self.snapshot_pages)
-        self.index.add_snapshot(key, pages, anchor)
+        self.index.add_snapshot(key, pages, anchor, *meta)
         self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
         return True
 
-    def pop_ops(self) -> list[RingCopy]:
-        """Ring copies for the runner to make now; pass them to ops_done afterwards."""
+    def pop_ops(self) -> list[RingCopy | PageOut | PageIn]:
+        """Copies for the runner to make now, in order; pass them to ops_done afterwards."""
         ops, self._ops = self._ops, []
         return ops
 
-    def ops_done(self, ops: list[RingCopy]) -> None:
+    def ops_done(self, ops: list) -> None:
         for op in ops:
-            self.full.blocks.release(op.pages, low=op.save and not op.anchor)
+            if isinstance(op, RingCopy):
+                self.full.blocks.release(op.pages, low=op.save and not op.anchor)
+
+    def _offload(self, kind: str, key: int, pages: list[int], parent: int, tokens: list[int]) -> None:
+        """An evicted entry: copy its pages out to the disk tier before they are reused."""
+        if not self.tier.has(kind, key):
+            self._ops.append(PageOut(TierEntry(kind, key, parent, tokens), pages))
+
+    def offload_all(self) -> None:
+        """Queue copies of every cached prefix to the disk tier (at shutdown: the next
+        process finds them)."""
+        if self.tier is None:
+            return
+        for h, b in self.index.blocks.items():
+            self._offload("b", h, [b], *self.index.block_meta[h])
+        for h, snap in self.index.snapshots.items():
+            self._offload("s", h, snap.pages, snap.parent, snap.tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running sequences keep their KV); returns the
@@ -237,17 +311,35 @@ class KVCacheManager:
             return False
         hit = hit or PrefixHit()
         pool = self.full.blocks
-        pages = hit.blocks + (self.index.snapshots[hit.snapshot].pages if hit.snapshot is not None else [])
-        idle = sum(pool.is_free(b) for b in pages)
+        snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
+        idle = sum(pool.is_free(b) for b in hit.blocks + (snap.pages if snap else []))
+        if hit.snapshot is not None and snap is None:  # read from disk into new pages
+            idle += self.snapshot_pages
         return self.full.blocks_for(num_tokens) - len(hit.blocks) + idle <= pool.num_free
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()
-        snap = self.index.snapshots[hit.snapshot] if hit.snapshot is not None else None
-        if snap is not None:  # held before new blocks are taken, which could evict it
+        pool, bs = self.full.blocks, self.block_size
+        snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
+        # What the hit shares is held before any page is taken, which could evict it.
+        pool.touch(hit.blocks)
+        if snap is not None:
             snap.anchor = True  # it serves a hit: no longer speculative
-            self.full.blocks.touch(snap.pages)
-        self.full.allocate(seq_id, num_tokens, hit.blocks)
+            pool.touch(snap.pages)
+        loaded = []
+        for entry, data in hit.from_disk:  # into new pages, registered as cached again
+            pages = pool.take(1 if entry.kind == "b" else self.snapshot_pages)
+            self._ops.append(PageIn(pages, data))
+            if entry.kind == "b":
+                loaded += pages
+                self.index.add_block(entry.key, pages[0], entry.parent, entry.tokens)
+            else:
+                self.index.add_snapshot(entry.key, pages, True, entry.parent, entry.tokens)
+                snap = self.index.snapshots[entry.key]  # held: taken above
+            self.tier.release(entry.kind, entry.key)
+        if hit.from_disk:  # tokens it would have recomputed, served from disk
+            self.tier.count_hit(hit.num_tokens - len(hit.blocks) * bs if self.full.active else hit.num_tokens)
+        self.full.allocate(seq_id, num_tokens, hit.blocks + loaded)
         self.ring.allocate(seq_id, num_tokens)
         if snap is not None:
             self._ops.append(RingCopy(False, self.ring.slot(seq_id), snap.pages))

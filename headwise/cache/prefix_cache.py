@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from dataclasses import dataclass, field
-from typing import Hashable
+from typing import Callable, Hashable
 
 from headwise.cache.block_pool import BlockPool, PageKey
 
@@ -46,6 +46,8 @@ def block_hashes(root: int, token_ids: list[int], block_size: int, prev: int | N
 class Snapshot:
     pages: list[int]
     anchor: bool          # False: speculative (evicted before everything else)
+    parent: int = 0       # (for the disk tier) hash of the block before its last one,
+    tokens: list[int] = field(default_factory=list)  # and its last block's tokens
 
 
 @dataclass
@@ -60,8 +62,13 @@ class PrefixIndex:
     block pool's evictions (see BlockPool.on_evict)."""
     pool: BlockPool
     blocks: dict[int, int] = field(default_factory=dict)
+    # hash -> (previous block's hash, the block's tokens): what a disk copy stores
+    block_meta: dict[int, tuple[int, list[int]]] = field(default_factory=dict)
     snapshots: dict[int, Snapshot] = field(default_factory=dict)
     stats: PrefixStats = field(default_factory=PrefixStats)
+    # Told (kind, hash, pages, parent, tokens) when an entry is evicted, before its pages
+    # are overwritten (the disk tier copies them out); None: evictions are dropped.
+    on_evicted: Callable[[str, int, list[int], int, list[int]], None] | None = None
 
     def __post_init__(self) -> None:
         self.pool.on_evict = self._on_evict
@@ -69,18 +76,24 @@ class PrefixIndex:
     def _on_evict(self, key: PageKey) -> None:
         kind, h = key
         if kind == "b":
-            self.blocks.pop(h, None)
+            b = self.blocks.pop(h, None)
+            parent, tokens = self.block_meta.pop(h, (0, []))
+            if b is not None and self.on_evicted is not None:
+                self.on_evicted("b", h, [b], parent, tokens)
         else:  # one page of a snapshot was reused: the snapshot is gone
             snap = self.snapshots.pop(h, None)
             if snap is not None:
                 for b in snap.pages:
                     if self.pool.key[b] == key:
                         self.pool.set_key(b, None)
+                if self.on_evicted is not None:
+                    self.on_evicted("s", h, snap.pages, snap.parent, snap.tokens)
 
-    def add_block(self, h: int, b: int) -> None:
+    def add_block(self, h: int, b: int, parent: int = 0, tokens: list[int] | None = None) -> None:
         """Register block b as holding the tokens hashed by h (first writer wins)."""
         if h not in self.blocks and self.pool.key[b] is None:
             self.blocks[h] = b
+            self.block_meta[h] = (parent, tokens or [])
             self.pool.set_key(b, ("b", h))
 
     def cached_blocks(self, hashes: list[int]) -> list[int]:
@@ -93,10 +106,11 @@ class PrefixIndex:
             out.append(b)
         return out
 
-    def add_snapshot(self, h: int, pages: list[int], anchor: bool) -> None:
+    def add_snapshot(self, h: int, pages: list[int], anchor: bool, parent: int = 0,
+                     tokens: list[int] | None = None) -> None:
         for b in pages:
             self.pool.set_key(b, ("s", h))
-        self.snapshots[h] = Snapshot(pages, anchor)
+        self.snapshots[h] = Snapshot(pages, anchor, parent, tokens or [])
 
     def drop_snapshot(self, h: int) -> None:
         """Forget a snapshot (superseded); its free pages hold nothing any more."""
@@ -113,5 +127,6 @@ class PrefixIndex:
                 self.pool.set_key(b, None)
                 n += 1
         self.blocks.clear()
+        self.block_meta.clear()
         self.snapshots.clear()
         return n

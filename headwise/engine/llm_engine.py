@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from headwise.cache.disk_tier import DiskTier, fingerprint
 from headwise.cache.layout import resolve_layout
 from headwise.cache.manager import KVCacheManager
 from headwise.config import EngineConfig
@@ -16,7 +17,7 @@ from headwise.engine.sequence import Sequence
 from headwise.layouts import shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
-from headwise.weights.loader import checkpoint_dtype, load_model, release_freed_heap
+from headwise.weights.loader import checkpoint_dtype, load_model, model_identity, release_freed_heap
 
 
 class PromptTooLongError(ValueError):
@@ -54,6 +55,10 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching)
+        if config.kv_offload_dir:
+            fp = fingerprint(model_identity(config.model) if not loaded else mcfg.name,
+                             self.cache.root, str(self.dtype), config.block_size)
+            self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp))
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
                                   config.backend, config.window_positions)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
@@ -120,8 +125,15 @@ class LLMEngine:
     def _copy_rings(self) -> None:
         ops = self.cache.pop_ops()
         if ops:
-            self.runner.copy_rings(ops)
+            self.runner.apply(ops, self.cache.tier)
             self.cache.ops_done(ops)
+
+    def close(self) -> None:
+        """Copy every cached prefix to the disk tier, if any, and wait for the writes."""
+        if self.cache.tier is not None:
+            self.cache.offload_all()
+            self._copy_rings()
+            self.cache.tier.close()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix; returns the number of pages that held one."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from headwise.cache.manager import KVCacheManager, RingCopy
+from headwise.cache.manager import KVCacheManager, PageOut, RingCopy
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
@@ -30,13 +30,19 @@ class ModelRunner:
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
 
-    def copy_rings(self, ops: list[RingCopy]) -> None:
-        """Window-state snapshots: ring slot -> pages (save) or pages -> ring slot (load)."""
+    def apply(self, ops: list, tier=None) -> None:
+        """The cache manager's copies, in order: window-state snapshots (ring slot <->
+        pages), pages out to the disk tier (before their reuse) and back in."""
         for op in ops:
-            if op.save:
-                self.kv.write_pages(op.pages, self.kv.read_ring(op.ring_slot))
+            if isinstance(op, RingCopy):
+                if op.save:
+                    self.kv.write_pages(op.pages, self.kv.read_ring(op.ring_slot))
+                else:
+                    self.kv.write_ring(op.ring_slot, self.kv.read_pages(op.pages))
+            elif isinstance(op, PageOut):
+                tier.put(op.entry, self.kv.read_pages(op.pages).cpu())
             else:
-                self.kv.write_ring(op.ring_slot, self.kv.read_pages(op.pages))
+                self.kv.write_pages(op.pages, op.data.to(self.device))
 
     def run(self, scheduled: list[tuple[Sequence, int]],
             all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:

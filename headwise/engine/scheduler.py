@@ -101,18 +101,23 @@ class Scheduler:
             out.scheduled.append((seq, n))
             budget -= n
             i += 1
-        # Admit waiting requests in arrival order; none while we are preempting.
-        while (self.waiting and budget > 0 and not out.preempted
+        # Admit waiting requests in arrival order; none while we are preempting. One whose
+        # cached prefix is still being read from disk is passed over until it is in.
+        i = 0
+        while (i < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
-            seq = self.waiting[0]
+            seq = self.waiting[i]
             # A cached prefix is not computed again: the step starts after it.
             hit = self.cache.match_prefix(seq.token_ids(0, seq.num_tokens))
+            if hit.pending:
+                i += 1
+                continue
             start = hit.num_tokens
             n = min(seq.num_tokens - start, budget)
             n = hit.stop(start, start + n) - start
             if not self.cache.can_allocate(start + n, hit):
                 break
-            self.waiting.popleft()
+            del self.waiting[i]
             self.cache.allocate(seq.seq_id, start + n, hit)
             seq.num_computed_tokens = start
             if seq.num_cached_tokens is None:  # what the client is told: its first admission

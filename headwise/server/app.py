@@ -37,6 +37,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
     async def lifespan(_: FastAPI):
         yield
         aeng.shutdown()
+        engine.close()  # cached prefixes to the KV offload directory, if there is one
 
     app = FastAPI(title="headwise", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan,
                   description="OpenAI-compatible API of the headwise engine")

@@ -42,6 +42,13 @@ def model_name(path: Path) -> str:
     return path.stem if path.is_file() else path.name
 
 
+def model_identity(model: str | None) -> str:
+    """Names the weights: resolved path, and each file's size and modification time."""
+    path = resolve_model_path(model).resolve()
+    files = [path] if path.is_file() else sorted(p for p in path.iterdir() if p.is_file())
+    return json.dumps([str(path)] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files])
+
+
 def checkpoint_dtype(model: str | None) -> str | None:
     """The dtype a HF checkpoint was saved in (config.json), None for GGUF (quantized)."""
     path = resolve_model_path(model)

@@ -1,0 +1,156 @@
+"""The KV tier on disk: prefixes evicted from memory come back from disk with the same
+outputs (float32), across processes too; damaged or foreign entries are skipped and
+recomputed; the directory stays within its bound; busy use leaks nothing."""
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from headwise import LLM, HeadLayout, SamplingParams
+from headwise.cache.layout import HeadSpec
+from headwise.cache.manager import KVCacheManager
+from tests.test_prefix_cache import _check_books, _same, mixed
+
+GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
+
+
+def _layout(kind, shape):
+    return {"full": HeadLayout.full(shape), "window": HeadLayout.window(shape, 4, 8),
+            "mixed": mixed(shape)}[kind]
+
+
+def _opts(path, kind, docs_in_memory=1.5):
+    """An engine whose pool holds about `docs_in_memory` 110-token documents."""
+    shape = LLM(path, head_layout="full", kv_cache_memory=1 << 22).layout.shape
+    lay = _layout(kind, shape)
+    geo = KVCacheManager(lay, 4, 1 << 30, 1, torch.float32).geometry
+    per_doc = geo.seq_bytes(130) + 2 * geo.ring_bytes
+    return dict(head_layout=lay, block_size=4, dtype="float32", max_num_seqs=1,
+                kv_cache_memory=geo.ring_bytes + int(docs_in_memory * per_doc))
+
+
+def _docs(tok):
+    texts = ["Document A about rivers and the sea. ", "Document B about towns and old bridges. ",
+             "Document C about mountains and snow. "]
+    out = [tok.encode(t * 20)[:110] for t in texts]
+    assert all(len(d) == 110 for d in out)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "mixed"])
+def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
+    path = str(tiny_models["llama"])
+    opts = _opts(path, kind)
+    tiered = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    tok, cache = tiered.tokenizer, tiered.engine.cache
+    a = _docs(tok)[0]
+    q = tok.encode(" Question: what is it about?", add_special_tokens=False)
+    tiered.generate([a], GREEDY, use_tqdm=False)
+    keys = cache.match_prefix(a + q).hashes
+    for i in range(8):  # other documents push a's prefix out of memory, to disk
+        tiered.generate([tok.encode(f"Another document {i} about towns. " * 20)[:110]], GREEDY, use_tqdm=False)
+        if not any(h in cache.index.blocks or h in cache.index.snapshots for h in keys):
+            break
+    assert not any(h in cache.index.blocks or h in cache.index.snapshots for h in keys)
+    tier = cache.tier
+    tier.flush()
+    got = tiered.generate([a + q], GREEDY, use_tqdm=False)[0]
+    _same(got, plain.generate([a + q], GREEDY, use_tqdm=False)[0])
+    assert got.num_cached_tokens >= 100 and tier.stats.hit_tokens > 0
+    tiered.engine.cache.full.blocks.check()
+    tiered.close()
+
+
+RESTART = """
+import sys
+from headwise import LLM, SamplingParams
+from tests.test_disk_tier import _opts, _docs
+llm = LLM(sys.argv[1], kv_offload_dir=sys.argv[2], **_opts(sys.argv[1], "mixed", docs_in_memory=4))
+a = _docs(llm.tokenizer)[0]
+llm.generate([a], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+llm.close()
+"""
+
+
+def test_restart_reads_what_an_earlier_process_cached(tiny_models, tmp_path):
+    path = str(tiny_models["llama"])
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run([sys.executable, "-c", RESTART, path, str(tmp_path)], check=True, cwd=root,
+                   env=dict(os.environ, PYTHONPATH=str(root)), timeout=300)
+    opts = _opts(path, "mixed", docs_in_memory=4)
+    b = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    a = _docs(b.tokenizer)[0]
+    q = b.tokenizer.encode(" Question: what is it about?", add_special_tokens=False)
+    got = b.generate([a + q], GREEDY, use_tqdm=False)[0]
+    assert got.num_cached_tokens >= 100 and b.engine.cache.tier.stats.hit_tokens > 0
+    _same(got, LLM(path, enable_prefix_caching=False, **opts).generate([a + q], GREEDY, use_tqdm=False)[0])
+
+
+def test_damaged_and_foreign_entries_are_recomputed(tiny_models, tmp_path, caplog):
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=4)
+    first = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    a, b, _ = _docs(first.tokenizer)
+    first.generate([a], GREEDY, use_tqdm=False)
+    first.generate([b], GREEDY, use_tqdm=False)
+    first.close()
+    (fp_dir,) = [p for p in tmp_path.iterdir() if p.is_dir()]
+    files = sorted(fp_dir.iterdir())
+    for f in files[::3]:  # flip bytes at the end of the payload
+        data = bytearray(f.read_bytes())
+        data[-5] ^= 0xFF
+        f.write_bytes(bytes(data))
+    for f in files[1::3]:  # truncate
+        f.write_bytes(f.read_bytes()[: len(f.read_bytes()) // 2])
+    (tmp_path / "0123456789abcdef0123").mkdir()  # another model's or layout's entries
+    q = first.tokenizer.encode(" Question: what is it about?", add_special_tokens=False)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    with caplog.at_level(logging.WARNING, logger="headwise.kv_tier"):
+        again = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+        for doc in (a, b):
+            _same(again.generate([doc + q], GREEDY, use_tqdm=False)[0],
+                  plain.generate([doc + q], GREEDY, use_tqdm=False)[0])
+    text = caplog.text
+    assert "another model" in text and "checksum" in text or "unreadable" in text
+    assert again.engine.cache.tier.stats.errors > 0
+
+
+def test_directory_stays_within_its_bound(tiny_models, tmp_path):
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.2)
+    bound = 60_000
+    llm = LLM(path, kv_offload_dir=str(tmp_path), kv_offload_bytes=bound, **opts)
+    tok = llm.tokenizer
+    for i in range(8):
+        llm.generate([tok.encode(f"Document {i} about rivers and the sea. " * 20)[:110]], GREEDY, use_tqdm=False)
+        llm.engine.cache.tier.flush()
+        on_disk = sum(f.stat().st_size for f in tmp_path.rglob("*") if f.is_file())
+        assert on_disk <= bound, (i, on_disk)
+    assert llm.engine.cache.tier.stats.entries > 0
+
+
+def test_busy_use_leaks_no_block_and_no_partial_file(tiny_models, tmp_path):
+    """Many requests over a few documents, in batches, with memory for about one: blocks
+    are evicted to disk and read back again and again; the books stay exact."""
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.5)
+    opts["max_num_seqs"] = 3
+    opts["kv_cache_memory"] += 2 * KVCacheManager(opts["head_layout"], 4, 1 << 30, 1, torch.float32).geometry.ring_bytes
+    llm = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    docs = _docs(llm.tokenizer)
+    prompts = [docs[i % 3] + [100 + i] for i in range(12)]
+    for batch in (prompts[:6], prompts[6:]):
+        for g, w in zip(llm.generate(batch, GREEDY, use_tqdm=False), plain.generate(batch, GREEDY, use_tqdm=False)):
+            _same(g, w)
+    cache = llm.engine.cache
+    _check_books(cache, [])
+    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks
+    assert cache.tier.stats.hit_tokens > 0
+    llm.close()
+    assert not [f for f in tmp_path.rglob(".tmp-*")]
