@@ -105,8 +105,13 @@ class LLM:
     def cache_usage(self) -> dict[str, dict[str, float]]:
         return self.engine.cache.usage()
 
-    def close(self) -> None:
+    def offload_prefix_cache(self) -> None:
         """Copy cached prefixes to the KV offload directory (if one is set) and wait."""
+        self.engine.offload_prefix_cache()
+
+    def close(self) -> None:
+        """Offload cached prefixes (if a KV offload directory is set); the LLM stays usable
+        without its disk tier afterwards only if none was set."""
         self.engine.close()
 
     def __enter__(self) -> "LLM":

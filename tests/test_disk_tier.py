@@ -154,3 +154,49 @@ def test_busy_use_leaks_no_block_and_no_partial_file(tiny_models, tmp_path):
     assert cache.tier.stats.hit_tokens > 0
     llm.close()
     assert not [f for f in tmp_path.rglob(".tmp-*")]
+
+
+def test_full_disk_stops_offloading_and_serving_goes_on(tiny_models, tmp_path, monkeypatch, caplog):
+    import errno
+
+    from headwise.cache import disk_tier
+
+    def no_space(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(disk_tier.os, "replace", no_space)
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.2)
+    llm = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    tok = llm.tokenizer
+    with caplog.at_level(logging.WARNING, logger="headwise.kv_tier"):
+        for i in range(4):
+            prompt = tok.encode(f"Document {i} about rivers and the sea. " * 20)[:110]
+            _same(llm.generate([prompt], GREEDY, use_tqdm=False)[0], plain.generate([prompt], GREEDY, use_tqdm=False)[0])
+        llm.engine.cache.tier.flush()
+    assert caplog.text.count("offloading stops") == 1
+    assert llm.engine.cache.tier.stats.entries == 0 and not list(tmp_path.rglob("*.safetensors"))
+    assert not list(tmp_path.rglob(".tmp-*"))
+
+
+def test_server_reports_tier_metrics(tiny_models, tmp_path):
+    import httpx
+
+    from tests.test_server import _metric, running_server
+
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.2)
+    opts.pop("max_num_seqs")
+    with running_server(path, max_model_len=1024, kv_offload_dir=str(tmp_path), max_num_seqs=1, **opts) as (url, _):
+        for i in range(4):
+            r = httpx.post(f"{url}/v1/completions", json={"prompt": f"Document {i} about the sea. " * 20,
+                                                          "max_tokens": 4}, timeout=60)
+            assert r.status_code == 200
+        again = httpx.post(f"{url}/v1/completions", json={"prompt": "Document 0 about the sea. " * 20,
+                                                          "max_tokens": 4}, timeout=60).json()
+        assert again["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert _metric(url, "headwise:kv_offload_entries") > 0 and _metric(url, "headwise:kv_offload_bytes") > 0
+        assert _metric(url, "headwise:prefix_cache_disk_hits_total") > 0
+        assert _metric(url, "headwise:kv_offload_write_seconds_count") > 0
+        assert _metric(url, "headwise:kv_offload_read_seconds_count") > 0

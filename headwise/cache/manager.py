@@ -287,14 +287,15 @@ class KVCacheManager:
             self._ops.append(PageOut(TierEntry(kind, key, parent, tokens), pages))
 
     def offload_all(self) -> None:
-        """Queue copies of every cached prefix to the disk tier (at shutdown: the next
-        process finds them)."""
+        """Queue copies of every cached block and anchor snapshot to the disk tier (at
+        shutdown: the next process finds them)."""
         if self.tier is None:
             return
         for h, b in self.index.blocks.items():
             self._offload("b", h, [b], *self.index.block_meta[h])
         for h, snap in self.index.snapshots.items():
-            self._offload("s", h, snap.pages, snap.parent, snap.tokens)
+            if snap.anchor:
+                self._offload("s", h, snap.pages, snap.parent, snap.tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running sequences keep their KV); returns the

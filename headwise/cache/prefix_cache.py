@@ -86,7 +86,7 @@ class PrefixIndex:
                 for b in snap.pages:
                     if self.pool.key[b] == key:
                         self.pool.set_key(b, None)
-                if self.on_evicted is not None:
+                if self.on_evicted is not None and snap.anchor:  # speculative ones are not kept
                     self.on_evicted("s", h, snap.pages, snap.parent, snap.tokens)
 
     def add_block(self, h: int, b: int, parent: int = 0, tokens: list[int] | None = None) -> None:

@@ -128,11 +128,17 @@ class LLMEngine:
             self.runner.apply(ops, self.cache.tier)
             self.cache.ops_done(ops)
 
-    def close(self) -> None:
+    def offload_prefix_cache(self) -> None:
         """Copy every cached prefix to the disk tier, if any, and wait for the writes."""
         if self.cache.tier is not None:
             self.cache.offload_all()
             self._copy_rings()
+            self.cache.tier.flush()
+
+    def close(self) -> None:
+        """Offload the prefix cache (see offload_prefix_cache) and stop the tier's threads."""
+        if self.cache.tier is not None:
+            self.offload_prefix_cache()
             self.cache.tier.close()
 
     def reset_prefix_cache(self) -> int:

@@ -198,3 +198,5 @@ class AsyncEngine:
         s = self.engine.scheduler
         cache = self.engine.cache
         self.metrics.update_state(len(s.running), self.num_waiting(), cache.usage(), cache.index.stats)
+        if cache.tier is not None:
+            self.metrics.update_tier(cache.tier)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160)
+_IO_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1)
 
 
 class Metrics:
@@ -34,6 +35,19 @@ class Metrics:
                                   "Bytes of cached prefixes no request uses (reclaimable), per head class",
                                   lbl + ["head_class"], registry=r)
         self._prefix_seen = (0, 0)
+        # KV offload directory (disk tier), when the engine has one.
+        self.tier_bytes = Gauge("headwise:kv_offload_bytes", "Bytes of cached prefixes in the KV offload directory",
+                                lbl, registry=r)
+        self.tier_entries = Gauge("headwise:kv_offload_entries", "Entries in the KV offload directory", lbl, registry=r)
+        self.tier_hits = Counter("headwise:prefix_cache_disk_hits", "Prompt tokens served from the KV offload "
+                                 "directory (included in prefix_cache_hits)", lbl, registry=r)
+        self.tier_errors = Counter("headwise:kv_offload_errors", "Unreadable or damaged entries skipped, failed "
+                                   "writes", lbl, registry=r)
+        self.tier_read = Histogram("headwise:kv_offload_read_seconds", "Time to read and verify one entry", lbl,
+                                   buckets=_IO_BUCKETS, registry=r)
+        self.tier_write = Histogram("headwise:kv_offload_write_seconds", "Time to write one entry", lbl,
+                                    buckets=_IO_BUCKETS, registry=r)
+        self._tier_seen = (0, 0)
 
     def update_state(self, running: int, waiting: int, usage: dict, prefix) -> None:
         """prefix: the cache's PrefixStats (cumulative queried and hit tokens)."""
@@ -48,6 +62,19 @@ class Metrics:
         self.prefix_queries.labels(m).inc(prefix.queries - queries)
         self.prefix_hits.labels(m).inc(prefix.hits - hits)
         self._prefix_seen = (prefix.queries, prefix.hits)
+
+    def update_tier(self, tier) -> None:
+        """tier: the engine's DiskTier (its stats are cumulative; latencies drained here)."""
+        m, st = self.model, tier.stats
+        self.tier_bytes.labels(m).set(st.bytes)
+        self.tier_entries.labels(m).set(st.entries)
+        hits, errors = self._tier_seen
+        self.tier_hits.labels(m).inc(st.hit_tokens - hits)
+        self.tier_errors.labels(m).inc(st.errors - errors)
+        self._tier_seen = (st.hit_tokens, st.errors)
+        for lst, hist in ((st.read_seconds, self.tier_read), (st.write_seconds, self.tier_write)):
+            while lst:
+                hist.labels(m).observe(lst.pop())
 
     def on_finished(self, seq) -> None:
         m = self.model
