@@ -81,6 +81,8 @@ class EngineConfig:
                                       "also by a later process", str)
     kv_offload_bytes: int = _opt(16 << 30, "bound on the KV offload directory (LRU beyond it); units "
                                  "allowed", parse_size)
+    kv_offload_host_bytes: int = _opt(0, "host memory for evicted prefixes in front of the offload "
+                                      "directory (pinned on CUDA; 0: none); units allowed", parse_size)
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
@@ -89,8 +91,10 @@ class EngineConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(f"{name} must be a positive integer, got {v!r}")
-        if self.kv_offload_dir is not None and not self.enable_prefix_caching:
-            raise ConfigError("kv_offload_dir needs enable_prefix_caching=True")
+        if not isinstance(self.kv_offload_host_bytes, int) or self.kv_offload_host_bytes < 0:
+            raise ConfigError(f"kv_offload_host_bytes must be >= 0, got {self.kv_offload_host_bytes!r}")
+        if (self.kv_offload_dir is not None or self.kv_offload_host_bytes) and not self.enable_prefix_caching:
+            raise ConfigError("kv_offload_dir / kv_offload_host_bytes need enable_prefix_caching=True")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("max_model_len", "max_queue", "num_threads"):

@@ -200,3 +200,25 @@ def test_server_reports_tier_metrics(tiny_models, tmp_path):
         assert _metric(url, "headwise:prefix_cache_disk_hits_total") > 0
         assert _metric(url, "headwise:kv_offload_write_seconds_count") > 0
         assert _metric(url, "headwise:kv_offload_read_seconds_count") > 0
+
+
+@pytest.mark.parametrize("with_dir", [False, True])
+def test_host_memory_tier_serves_before_the_disk(tiny_models, tmp_path, with_dir):
+    """--kv-offload-host-bytes: evicted prefixes are kept in host memory (pinned on CUDA)
+    and come back from there, without a disk read; bounded by its size."""
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.2)
+    tiered = LLM(path, kv_offload_dir=str(tmp_path) if with_dir else None, kv_offload_host_bytes=200_000, **opts)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    tok, cache = tiered.tokenizer, tiered.engine.cache
+    a = _docs(tok)[0]
+    q = tok.encode(" Question: what is it about?", add_special_tokens=False)
+    tiered.generate([a], GREEDY, use_tqdm=False)
+    for i in range(3):
+        tiered.generate([tok.encode(f"Another document {i} about towns. " * 20)[:110]], GREEDY, use_tqdm=False)
+    got = tiered.generate([a + q], GREEDY, use_tqdm=False)[0]
+    _same(got, plain.generate([a + q], GREEDY, use_tqdm=False)[0])
+    st = cache.tier.stats
+    assert got.num_cached_tokens >= 100 and st.served["host"] > 0 and st.served["disk"] == 0
+    assert 0 < st.host_bytes <= 200_000
+    assert (st.entries > 0) == with_dir

@@ -1,5 +1,6 @@
-"""A second KV tier in a directory: cached prefixes evicted from the pool are written
-here and read back instead of recomputed, also by a later process.
+"""A second KV tier in a directory (with an optional host-memory tier in front of it:
+pinned on CUDA): cached prefixes evicted from the pool are written here and read back
+instead of recomputed, also by a later process.
 
 One file per entry: a full-head block ("b") or a window-state snapshot ("s"), keyed by
 the chained hash of the tokens it stands for, in safetensors with the bytes of its pages
@@ -50,7 +51,10 @@ class TierEntry:
 class TierStats:
     entries: int = 0
     bytes: int = 0
+    host_entries: int = 0  # the host-memory tier in front of the directory
+    host_bytes: int = 0
     hit_tokens: int = 0    # prompt tokens served from this tier
+    served: dict = field(default_factory=lambda: {"host": 0, "disk": 0})  # entries, by tier
     errors: int = 0        # unreadable / corrupted entries skipped, failed writes
     read_seconds: list[float] = field(default_factory=list)   # drained by the metrics
     write_seconds: list[float] = field(default_factory=list)
@@ -62,20 +66,26 @@ def fingerprint(model_id: str, cache_root: int, kv_dtype: str, block_size: int) 
 
 
 class DiskTier:
-    def __init__(self, directory: str | Path, max_bytes: int, fp: str) -> None:
-        self.root = Path(directory)
-        self.dir = self.root / fp
+    def __init__(self, directory: str | Path | None, max_bytes: int, fp: str, host_bytes: int = 0,
+                 pin: bool = False) -> None:
+        """directory None: the host-memory tier alone (host_bytes > 0)."""
+        self.root = Path(directory) if directory is not None else None
+        self.dir = self.root / fp if self.root is not None else None
         self.max_bytes = max_bytes
         self.fingerprint = fp
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.host_bytes, self.pin = host_bytes, pin
         self.stats = TierStats()
         self._lock = threading.Lock()
         self._index: OrderedDict[tuple[str, int], int] = OrderedDict()  # LRU: (kind, key) -> bytes
-        self._host: dict[tuple[str, int], tuple[TierEntry, torch.Tensor]] = {}
+        self._ram: OrderedDict[tuple[str, int], tuple[TierEntry, torch.Tensor]] = OrderedDict()  # host tier
+        self._host: dict[tuple[str, int], tuple[TierEntry, torch.Tensor]] = {}  # read, awaiting use
         self._pending: set[tuple[str, int]] = set()
         self._writing: set[tuple[str, int]] = set()
-        self._writes_on = True
-        self._scan()
+        self._writes_on = self.dir is not None
+        self._progress = threading.Event()  # set whenever a read finishes
+        if self.dir is not None:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            self._scan()
         self._wq: queue.Queue = queue.Queue()
         self._rq: queue.Queue = queue.Queue()
         self._threads = [threading.Thread(target=self._writer, name="headwise-kv-writer", daemon=True),
@@ -108,8 +118,9 @@ class DiskTier:
         self._shrink()
 
     def has(self, kind: str, key: int) -> bool:
+        item = (kind, key)
         with self._lock:
-            return (kind, key) in self._index or (kind, key) in self._writing
+            return item in self._ram or item in self._index or item in self._writing
 
     def _forget(self, item: tuple[str, int]) -> None:
         size = self._index.pop(item, None)
@@ -128,17 +139,32 @@ class DiskTier:
         with self._lock:
             self.stats.errors += 1
             self._host.pop((kind, key), None)
-            self._forget((kind, key))
+            self._drop_ram((kind, key))
+            if self.dir is not None:
+                self._forget((kind, key))
 
     # ---- writes -----------------------------------------------------------------------
     def put(self, entry: TierEntry, data: torch.Tensor) -> None:
-        """Queue an entry for writing (data: its pages' bytes, uint8 on the CPU)."""
+        """Keep an entry in the host tier and queue it for writing (data: its pages'
+        bytes, uint8 on the CPU)."""
         item = (entry.kind, entry.key)
         with self._lock:
+            if self.host_bytes and item not in self._ram and data.numel() <= self.host_bytes:
+                self._ram[item] = (entry, data.pin_memory() if self.pin else data)
+                self.stats.host_entries += 1
+                self.stats.host_bytes += data.numel()
+                while self.stats.host_bytes > self.host_bytes:
+                    self._drop_ram(next(iter(self._ram)))
             if not self._writes_on or item in self._index or item in self._writing:
                 return
             self._writing.add(item)
         self._wq.put((entry, data))
+
+    def _drop_ram(self, item: tuple[str, int]) -> None:
+        got = self._ram.pop(item, None)
+        if got is not None:
+            self.stats.host_entries -= 1
+            self.stats.host_bytes -= got[1].numel()
 
     def _writer(self) -> None:
         while True:
@@ -188,8 +214,14 @@ class DiskTier:
             return self._host.get((kind, key))
 
     def prefetch(self, items: list[tuple[str, int]]) -> None:
-        """Read entries into host memory in the background (ready() tells when)."""
+        """Bring entries to host memory: at once from the host tier, else read from disk in
+        the background (ready() tells when)."""
         with self._lock:
+            for i in items:
+                if i in self._ram and i not in self._host:
+                    self._host[i] = self._ram[i]
+                    self._ram.move_to_end(i)
+                    self.stats.served["host"] += 1
             new = [i for i in items if i not in self._host and i not in self._pending and i in self._index]
             self._pending.update(new)
         for i in new:
@@ -223,11 +255,14 @@ class DiskTier:
                 with self._lock:
                     self._pending.discard(item)
                 self.drop(*item, f"unreadable: {type(e).__name__}: {e}")
+                self._progress.set()
                 continue
             with self._lock:
                 self._pending.discard(item)
                 self._host[item] = got
+                self.stats.served["disk"] += 1
                 self.stats.read_seconds.append(time.perf_counter() - t0)
+            self._progress.set()
 
     def _read(self, kind: str, key: int) -> tuple[TierEntry, torch.Tensor]:
         with safe_open(str(self._path(kind, key)), framework="pt") as f:
@@ -239,6 +274,15 @@ class DiskTier:
         if meta.get("checksum") != _checksum(data):
             raise ValueError("checksum mismatch")
         return TierEntry(kind, key, int(meta["parent"]), json.loads(meta["tokens"])), data
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a read finishes (or `timeout`), if any is under way: an engine with
+        nothing else to run waits here instead of spinning against the reader thread."""
+        with self._lock:
+            if not self._pending:
+                return
+        self._progress.wait(timeout)
+        self._progress.clear()
 
     # ---- life -------------------------------------------------------------------------
     def flush(self) -> None:

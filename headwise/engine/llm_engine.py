@@ -55,10 +55,11 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching)
-        if config.kv_offload_dir:
+        if config.kv_offload_dir or config.kv_offload_host_bytes:
             fp = fingerprint(model_identity(config.model) if not loaded else mcfg.name,
                              self.cache.root, str(self.dtype), config.block_size)
-            self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp))
+            self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp,
+                                            config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
                                   config.backend, config.window_positions)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
@@ -108,6 +109,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self._copy_rings()  # window state of prefix-cache hits, before they are attended
         if not out.scheduled:
+            if self.cache.tier is not None:  # maybe a prefix on its way back from disk
+                self.cache.tier.wait_for_reads(0.05)
             return []
         logits, seqs = self.runner.run(out.scheduled)
         for seq, n in out.scheduled:

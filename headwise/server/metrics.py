@@ -40,7 +40,11 @@ class Metrics:
                                 lbl, registry=r)
         self.tier_entries = Gauge("headwise:kv_offload_entries", "Entries in the KV offload directory", lbl, registry=r)
         self.tier_hits = Counter("headwise:prefix_cache_disk_hits", "Prompt tokens served from the KV offload "
-                                 "directory (included in prefix_cache_hits)", lbl, registry=r)
+                                 "tiers (included in prefix_cache_hits)", lbl, registry=r)
+        self.tier_served = Counter("headwise:kv_offload_entries_served", "Entries brought back, by tier",
+                                   lbl + ["tier"], registry=r)
+        self.tier_host_bytes = Gauge("headwise:kv_offload_host_bytes", "Bytes of the host-memory tier", lbl,
+                                     registry=r)
         self.tier_errors = Counter("headwise:kv_offload_errors", "Unreadable or damaged entries skipped, failed "
                                    "writes", lbl, registry=r)
         self.tier_read = Histogram("headwise:kv_offload_read_seconds", "Time to read and verify one entry", lbl,
@@ -48,6 +52,7 @@ class Metrics:
         self.tier_write = Histogram("headwise:kv_offload_write_seconds", "Time to write one entry", lbl,
                                     buckets=_IO_BUCKETS, registry=r)
         self._tier_seen = (0, 0)
+        self._served_seen = {"host": 0, "disk": 0}
 
     def update_state(self, running: int, waiting: int, usage: dict, prefix) -> None:
         """prefix: the cache's PrefixStats (cumulative queried and hit tokens)."""
@@ -68,6 +73,10 @@ class Metrics:
         m, st = self.model, tier.stats
         self.tier_bytes.labels(m).set(st.bytes)
         self.tier_entries.labels(m).set(st.entries)
+        self.tier_host_bytes.labels(m).set(st.host_bytes)
+        for tier, n in st.served.items():
+            self.tier_served.labels(m, tier).inc(n - self._served_seen[tier])
+            self._served_seen[tier] = n
         hits, errors = self._tier_seen
         self.tier_hits.labels(m).inc(st.hit_tokens - hits)
         self.tier_errors.labels(m).inc(st.errors - errors)
