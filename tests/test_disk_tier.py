@@ -222,3 +222,23 @@ def test_host_memory_tier_serves_before_the_disk(tiny_models, tmp_path, with_dir
     assert got.num_cached_tokens >= 100 and st.served["host"] > 0 and st.served["disk"] == 0
     assert 0 < st.host_bytes <= 200_000
     assert (st.entries > 0) == with_dir
+
+
+def test_scoring_a_prompt_offloads_what_it_evicts_before_overwriting_it(tiny_models, tmp_path):
+    """prompt_logits (perplexity, evaluation) takes pages outside the engine step: the
+    prefixes it evicts must reach the disk tier intact."""
+    path = str(tiny_models["llama"])
+    opts = _opts(path, "mixed", docs_in_memory=1.2)
+    tiered = LLM(path, kv_offload_dir=str(tmp_path), **opts)
+    plain = LLM(path, enable_prefix_caching=False, **opts)
+    tok, cache = tiered.tokenizer, tiered.engine.cache
+    a = _docs(tok)[0]
+    q = tok.encode(" Question: what is it about?", add_special_tokens=False)
+    tiered.generate([a], GREEDY, use_tqdm=False)
+    keys = cache.match_prefix(a + q).hashes
+    tiered.engine.prompt_logits(tok.encode("Scored text about mountains. " * 20)[:115])
+    assert not all(h in cache.index.blocks for h in keys)  # some of a's blocks were evicted ...
+    cache.tier.flush()
+    got = tiered.generate([a + q], GREEDY, use_tqdm=False)[0]
+    assert got.num_cached_tokens >= 100 and cache.tier.stats.hit_tokens > 0  # ... to disk, and back:
+    _same(got, plain.generate([a + q], GREEDY, use_tqdm=False)[0])

@@ -82,6 +82,7 @@ class DiskTier:
         self._pending: set[tuple[str, int]] = set()
         self._writing: set[tuple[str, int]] = set()
         self._writes_on = self.dir is not None
+        self._closed = False
         self._progress = threading.Event()  # set whenever a read finishes
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -120,7 +121,7 @@ class DiskTier:
     def has(self, kind: str, key: int) -> bool:
         item = (kind, key)
         with self._lock:
-            return item in self._ram or item in self._index or item in self._writing
+            return not self._closed and (item in self._ram or item in self._index or item in self._writing)
 
     def _forget(self, item: tuple[str, int]) -> None:
         size = self._index.pop(item, None)
@@ -155,7 +156,7 @@ class DiskTier:
                 self.stats.host_bytes += data.numel()
                 while self.stats.host_bytes > self.host_bytes:
                     self._drop_ram(next(iter(self._ram)))
-            if not self._writes_on or item in self._index or item in self._writing:
+            if self._closed or not self._writes_on or item in self._index or item in self._writing:
                 return
             self._writing.add(item)
         self._wq.put((entry, data))
@@ -217,6 +218,8 @@ class DiskTier:
         """Bring entries to host memory: at once from the host tier, else read from disk in
         the background (ready() tells when)."""
         with self._lock:
+            if self._closed:
+                return
             for i in items:
                 if i in self._ram and i not in self._host:
                     self._host[i] = self._ram[i]
@@ -290,6 +293,11 @@ class DiskTier:
         self._wq.join()
 
     def close(self) -> None:
+        """Finish the writes and stop the threads; later puts are ignored."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.flush()
         self._wq.put(None)
         self._rq.put(None)

@@ -161,9 +161,12 @@ class KVCacheManager:
         return self.full.active
 
     # ---- prefix cache ---------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int]) -> PrefixHit:
+    def match_prefix(self, token_ids: list[int], use_tier: bool = True) -> PrefixHit:
         """The longest cached prefix of a new sequence's tokens (block-aligned, leaving at
-        least one token to compute) and the snapshot points planned for it."""
+        least one token to compute) and the snapshot points planned for it. With a disk
+        tier, the prefix may go on there: a hit that needs entries not yet read comes back
+        `pending` (they are being read); one that fails to read or verify is dropped, and
+        the prefix found in memory is used instead."""
         P, bs = len(token_ids), self.block_size
         if not self.caching:
             return PrefixHit(num_prompt=P)
@@ -171,7 +174,7 @@ class KVCacheManager:
         hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
         blocks = self.index.cached_blocks(hashes) if self.full.active else []
         n = len(blocks) if self.full.active else max_blocks
-        tier = self.tier
+        tier = self.tier if use_tier else None
         if tier is not None and self.full.active:  # the chain may go on in the disk tier
             while n < max_blocks and tier.has("b", hashes[n]):
                 n += 1
@@ -192,15 +195,17 @@ class KVCacheManager:
             got = [tier.ready(*i) for i in need]
             if any(g is None for g in got):
                 tier.prefetch([i for i, g in zip(need, got) if g is None])
+                got = [tier.ready(*i) for i in need]  # the host tier's are ready at once
+            if any(g is None for g in got):
                 if any(tier.is_pending(*i) for i in need):
                     hit.pending = True
                     return hit
-                return self.match_prefix(token_ids)  # a read failed: that entry is gone
+                return self.match_prefix(token_ids, use_tier=False)  # a read failed
             for entry, _ in got:  # verified against the prompt's tokens, not the hash alone
                 i = hashes.index(entry.key)
                 if entry.tokens != token_ids[i * bs:(i + 1) * bs] or entry.parent != (hashes[i - 1] if i else self._root):
                     tier.drop(entry.kind, entry.key, "tokens differ from the prompt's")
-                    return self.match_prefix(token_ids)
+                    return self.match_prefix(token_ids, use_tier=False)
             hit.from_disk = got
         if self.snapshot_pages:
             end = max_blocks * bs

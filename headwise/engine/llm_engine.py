@@ -190,6 +190,7 @@ class LLMEngine:
             while seq.num_computed_tokens < len(ids):
                 n = min(chunk, len(ids) - seq.num_computed_tokens)
                 self.cache.append(seq.seq_id, seq.num_computed_tokens + n)
+                self._copy_rings()  # pages it took may hold evicted prefixes for the disk tier
                 logits, _ = self.runner.run([(seq, n)], all_logits=True)
                 out.append(logits)
                 seq.num_computed_tokens += n
