@@ -38,9 +38,11 @@ def prompt_ids(tokenizer, num_tokens: int, salt: int = 0) -> list[int]:
 
 
 def headwise_single(llm, ids: list[int], new_tokens: int) -> tuple[float, float]:
-    """(time to first token s, decode tokens/s) for one request at batch 1."""
+    """(time to first token s, decode tokens/s) for one cold request at batch 1: nothing
+    left in the prefix cache by earlier runs of the same prompt."""
     from headwise import SamplingParams
 
+    llm.reset_prefix_cache()
     out = llm.generate([ids], SamplingParams(max_tokens=new_tokens + 1, ignore_eos=True), use_tqdm=False)[0]
     return out.ttft_s, new_tokens / (out.latency_s - out.ttft_s)
 

@@ -80,9 +80,10 @@ async def run_bench(url: str, num_requests: int, concurrency: int, prompt_tokens
         base = tok["tokens"]
         rng = random.Random(seed)
         prompts = []
-        for i in range(num_requests):  # distinct prompts of exactly prompt_tokens tokens
-            off = rng.randrange(0, 20)
-            prompts.append(base[off: off + prompt_tokens])
+        for i in range(num_requests):  # prompts of exactly prompt_tokens tokens, distinct from
+            off = rng.randrange(0, 20)  # their first tokens on: no prefix-cache hits between them
+            head = [rng.choice(base) for _ in range(8)]
+            prompts.append(head + base[off: off + prompt_tokens - len(head)])
         sem = asyncio.Semaphore(concurrency)
 
         async def go(p, delay):

@@ -17,7 +17,7 @@ def test_block_pool_exact_ids_and_reuse():
     b = pool.take(3)
     assert (a, b) == ([0, 1], [2, 3, 4])
     pool.release(a)
-    assert pool.take(3) == [5, 0, 1]  # FIFO: never-used block first, then freed ones
+    assert pool.take(3) == [0, 1, 5]  # never-used block 5 and freed 0, 1; ascending
     with pytest.raises(CacheFullError):
         pool.take(1)
 
@@ -40,8 +40,8 @@ def test_full_layout_block_tables_exact():
     assert m.slot_mapping(10, 6, 9) == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
     m.free(10)
     m.allocate(12, 16)
-    # never-used block 4 first, then 10's blocks, tail first (a prefix outlives its tail)
-    assert m.full.tables[12] == [4, 3, 1, 0]
+    # never-used block 4, then 10's blocks (freed tail first); a table is ascending
+    assert m.full.tables[12] == [0, 1, 3, 4]
     m.free(11), m.free(12)
     assert m.full.blocks.num_free == 5 and m.usage()["full"]["used_bytes"] == 0
 
@@ -103,3 +103,14 @@ def test_budget_too_small_is_a_clear_error():
         _manager(HeadLayout.window((2, 2, 8), 4, 8), 100, max_num_seqs=4)
     with pytest.raises(CacheConfigError, match="no room for one full-head block"):
         _manager(HeadLayout.full((2, 2, 8)), 10)
+
+
+def test_reallocated_blocks_form_one_run():
+    """Blocks come back tail first (so a cached prefix outlives its tail), yet a sequence
+    taking them again gets them ascending: one run of adjacent ids, read as one view."""
+    layout = HeadLayout.full((1, 1, 4))
+    m = KVCacheManager(layout, 4, 8 * 2 * 4 * 4 * 4, 1, F32, enable_prefix_caching=True)
+    m.allocate(1, 32)
+    m.free(1)
+    m.allocate(2, 32)
+    assert m.full.tables[2] == list(range(8)) and m.slot_runs(2, 32) == [(0, 32)]

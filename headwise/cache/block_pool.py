@@ -60,7 +60,9 @@ class BlockPool:
                     self.on_evict(key)
             self.ref[b] = 1
             out.append(b)
-        return out
+        # Ascending: a table's blocks then form long runs of adjacent ids, which decode
+        # reads as one view each (freed blocks come back tail first, i.e. descending).
+        return sorted(out)
 
     def touch(self, ids: list[int]) -> None:
         """One more user of each page (a cache hit); a free page leaves the free queues."""
