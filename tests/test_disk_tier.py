@@ -41,17 +41,23 @@ def _docs(tok):
     return out
 
 
-@pytest.mark.parametrize("kind", ["full", "window", "mixed"])
-def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
-    path = str(tiny_models["llama"])
-    opts = _opts(path, kind)
+def _pair_with_a_cached(path, tmp_path, opts):
+    """(LLM with a disk tier that has cached document a, the same without caching, a, a
+    question, the hashes of a + question)."""
     tiered = LLM(path, kv_offload_dir=str(tmp_path), **opts)
     plain = LLM(path, enable_prefix_caching=False, **opts)
-    tok, cache = tiered.tokenizer, tiered.engine.cache
+    tok = tiered.tokenizer
     a = _docs(tok)[0]
     q = tok.encode(" Question: what is it about?", add_special_tokens=False)
     tiered.generate([a], GREEDY, use_tqdm=False)
-    keys = cache.match_prefix(a + q).hashes
+    return tiered, plain, a, q, tiered.engine.cache.match_prefix(a + q).hashes
+
+
+@pytest.mark.parametrize("kind", ["full", "window", "mixed"])
+def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
+    path = str(tiny_models["llama"])
+    tiered, plain, a, q, keys = _pair_with_a_cached(path, tmp_path, _opts(path, kind))
+    tok, cache = tiered.tokenizer, tiered.engine.cache
     for i in range(8):  # other documents push a's prefix out of memory, to disk
         tiered.generate([tok.encode(f"Another document {i} about towns. " * 20)[:110]], GREEDY, use_tqdm=False)
         if not any(h in cache.index.blocks or h in cache.index.snapshots for h in keys):
@@ -228,14 +234,8 @@ def test_scoring_a_prompt_offloads_what_it_evicts_before_overwriting_it(tiny_mod
     """prompt_logits (perplexity, evaluation) takes pages outside the engine step: the
     prefixes it evicts must reach the disk tier intact."""
     path = str(tiny_models["llama"])
-    opts = _opts(path, "mixed", docs_in_memory=1.2)
-    tiered = LLM(path, kv_offload_dir=str(tmp_path), **opts)
-    plain = LLM(path, enable_prefix_caching=False, **opts)
+    tiered, plain, a, q, keys = _pair_with_a_cached(path, tmp_path, _opts(path, "mixed", docs_in_memory=1.2))
     tok, cache = tiered.tokenizer, tiered.engine.cache
-    a = _docs(tok)[0]
-    q = tok.encode(" Question: what is it about?", add_special_tokens=False)
-    tiered.generate([a], GREEDY, use_tqdm=False)
-    keys = cache.match_prefix(a + q).hashes
     tiered.engine.prompt_logits(tok.encode("Scored text about mountains. " * 20)[:115])
     assert not all(h in cache.index.blocks for h in keys)  # some of a's blocks were evicted ...
     cache.tier.flush()
