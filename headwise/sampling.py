@@ -4,10 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+GREEDY_BELOW = 1e-5
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int = 64
-    temperature: float = 0.0       # 0 means greedy
+    temperature: float = 0.0       # 0 (or below GREEDY_BELOW) means greedy
     top_p: float = 1.0
     top_k: int = 0                 # 0 or -1 means no limit
     seed: int | None = None
@@ -30,8 +33,9 @@ class SamplingParams:
              f"must be in (0, 1], got {self.top_p!r}"),
             ("top_k", isinstance(self.top_k, int) and self.top_k >= -1,
              f"must be -1, 0 (no limit) or a positive integer, got {self.top_k!r}"),
-            ("seed", self.seed is None or isinstance(self.seed, int),
-             f"must be an integer, got {self.seed!r}"),
+            ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
+                                           and -(1 << 63) <= self.seed < (1 << 64)),
+             f"must be an integer that fits 64 bits, got {self.seed!r}"),
             ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
              f"must be an integer in [0, 20], got {self.logprobs!r}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
@@ -45,7 +49,8 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        # Dividing logits by a temperature this small overflows them (vLLM's threshold).
+        return self.temperature < GREEDY_BELOW
 
 
 class InvalidParameterError(ValueError):

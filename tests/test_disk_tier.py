@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
-from headwise.cache.layout import HeadSpec
 from headwise.cache.manager import KVCacheManager
 from tests.test_prefix_cache import _check_books, _same, mixed
 

@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from headwise import LLM, HeadLayout, SamplingParams
 from headwise.cache.layout import HeadSpec, LayoutError

@@ -93,6 +93,7 @@ def test_multi_turn_chat_extends_previous_turn(tiny_models, kind):
     tok = cached.tokenizer
     history = tok.encode("User: tell me about rivers.\nAssistant:")
     p = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
+    prev_len = 0
     for turn in range(4):
         got = cached.generate([history], p, use_tqdm=False)[0]
         _same(got, plain.generate([history], p, use_tqdm=False)[0])
@@ -191,7 +192,7 @@ def test_random_requests_keep_exact_books(kind):
     sched = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=24)
     rng = random.Random(0)
     docs = [[rng.randrange(1000) for _ in range(rng.randrange(8, 60))] for _ in range(6)]
-    live, hits, evictions_seen = [], 0, False
+    live, evictions_seen = [], False
     for step in range(1500):
         if len(live) < 6 and rng.random() < 0.4 and step < 1300:
             prompt = rng.choice(docs) + [rng.randrange(1000) for _ in range(rng.randrange(1, 6))]

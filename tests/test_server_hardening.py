@@ -28,7 +28,8 @@ def model_path(tiny_models):
 
 @pytest.fixture(scope="module")
 def keyed(model_path):
-    with running_server(model_path, api_key=KEY, max_request_bytes=64 << 10) as s:
+    # A short context bounds every generation (a chat without max_tokens runs to it).
+    with running_server(model_path, api_key=KEY, max_request_bytes=64 << 10, max_model_len=96) as s:
         yield s
 
 
@@ -51,7 +52,8 @@ def test_fuzz_from_openapi_schema(keyed):
 
         @given(case=op.as_strategy(generation_mode=schemathesis.GenerationMode.NEGATIVE)
                | op.as_strategy(generation_mode=schemathesis.GenerationMode.POSITIVE))
-        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None)
+        @settings(max_examples=12, deadline=None, suppress_health_check=list(HealthCheck), database=None,
+                  derandomize=True)
         def check(case):
             if isinstance(case.body, dict):
                 for key in ("max_tokens", "max_completion_tokens"):  # keep generation short
@@ -299,3 +301,18 @@ def test_sigterm_finishes_short_requests_aborts_long_ones_and_exits_0(model_path
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_fuzzer_findings_stay_fixed(keyed):
+    """Found by the schema fuzzer: a denormal temperature made the sampler divide logits
+    into inf/NaN (500); a seed beyond 64 bits overflowed the generator (500)."""
+    url, _ = keyed
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "0", "temperature": 1.1125369292536007e-308,
+                                                  "max_tokens": 4}, headers=_auth())
+    assert r.status_code == 200, r.text
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "seed": -(1 << 63) - 1}, headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "seed"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "0", "seed": (1 << 64) - 1, "max_tokens": 2,
+                                                  "temperature": 0.7}, headers=_auth())
+    assert r.status_code == 200, r.text

@@ -31,6 +31,7 @@ from headwise.cache.block_pool import BlockPool
 from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
+from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.spec import CacheGeometry, KVClassSpec
@@ -41,49 +42,6 @@ TRAILING_TOKENS = 128
 
 class CacheConfigError(ValueError):
     pass
-
-
-@dataclass
-class RingCopy:
-    """A copy the runner makes between a ring slot and snapshot pages."""
-    save: bool            # True: ring slot -> pages; False: pages -> ring slot
-    ring_slot: int
-    pages: list[int]
-    anchor: bool = True   # for saves: where the pages go once copied
-
-
-@dataclass
-class PageOut:
-    """Copy pages out to the disk tier (before they are reused)."""
-    entry: TierEntry
-    pages: list[int]
-
-
-@dataclass
-class PageIn:
-    """Fill pages with bytes read from the disk tier."""
-    pages: list[int]
-    data: object           # uint8 tensor on the CPU, as the tier read it
-
-
-@dataclass
-class PrefixHit:
-    """What match_prefix found for one prompt (plain data, used by the next allocate)."""
-    num_tokens: int = 0                                  # cached prefix length
-    hashes: list[int] = field(default_factory=list)      # the prompt's full-block hashes
-    blocks: list[int] = field(default_factory=list)      # shared full-head blocks
-    snapshot: int | None = None                          # window state at num_tokens
-    points: list[int] = field(default_factory=list)      # planned snapshot points
-    anchors: frozenset[int] = frozenset()                # points saved as anchors
-    reach: int = 0                                       # how far the cached full blocks go
-    num_prompt: int = 0
-    # From the disk tier, read and verified: blocks after `blocks`, then maybe the snapshot.
-    from_disk: list[tuple[TierEntry, object]] = field(default_factory=list)
-    pending: bool = False   # its prefix is being read from disk: admit it on a later step
-
-    def stop(self, start: int, end: int) -> int:
-        """End of a prefill chunk [start, end): cut at the first planned snapshot point."""
-        return next((p for p in self.points if start < p < end), end)
 
 
 @dataclass

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from headwise.cache.manager import KVCacheManager, PageOut, RingCopy
+from headwise.cache.manager import KVCacheManager
+from headwise.cache.ops import PageOut, RingCopy
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend

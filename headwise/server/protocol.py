@@ -68,7 +68,7 @@ class _SamplingRequest(_Model):
     top_p: Number | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1, description="0 or -1: no limit")
     n: StrictInt | None = Field(None, ge=1, description="only 1 is supported")
-    seed: StrictInt | None = None
+    seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
     ignore_eos: StrictBool = False
