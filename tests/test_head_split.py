@@ -253,7 +253,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased):
     from headwise.layers import torch_attention
     from headwise.layers.attention import WindowGroup
     from headwise.layers.context import PrefillChunk, StepContext
-    from headwise.layers.window_geometry import window_chunk
+    from headwise.layers.window_geometry import ring_index, window_chunk
 
     torch.manual_seed(start * 100 + c)
     n, g, D = 2, 3, 8
@@ -267,7 +267,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased):
     k_ring, v_ring = torch.randn(2, n, R, D), torch.randn(2, n, R, D)  # junk where unwritten
     wg = WindowGroup(0, n, sink, window, k_ring, v_ring)
     for p in range(start):  # what earlier chunks left in ring slot 1
-        r = int(wg.ring_index(torch.tensor(p)))
+        r = int(ring_index(torch.tensor(p), sink, window))
         k_ring[1, :, r], v_ring[1, :, r] = k[p], v[p]
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
     ch.window[(sink, window)] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",

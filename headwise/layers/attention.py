@@ -17,7 +17,6 @@ from torch import nn
 
 from headwise.layers.context import get_context
 from headwise.layers.rotary import rotate
-from headwise.layers.window_geometry import ring_index
 
 
 @dataclass
@@ -29,9 +28,6 @@ class WindowGroup:
     window: int
     k_ring: torch.Tensor   # [num_ring_slots, n_heads, sink + window, D] view
     v_ring: torch.Tensor
-
-    def ring_index(self, pos: torch.Tensor) -> torch.Tensor:
-        return ring_index(pos, self.sink, self.window)
 
 
 class HeadSplitAttention(nn.Module):

@@ -136,9 +136,8 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     vp = v.new_zeros(n, W + nb * Bq, D)
     lo = max(0, base)
     if lo < start:  # earlier context: the ring holds every position in [lo, start)
-        ridx = wg.ring_index(torch.arange(lo, start, device=q.device))
-        kp[:, lo - base:start - base] = k_ring[:, ridx]
-        vp[:, lo - base:start - base] = v_ring[:, ridx]
+        kp[:, lo - base:start - base] = k_ring[:, geo.ring_read]
+        vp[:, lo - base:start - base] = v_ring[:, geo.ring_read]
     a = max(lo, start)  # first position read from the chunk itself
     kp[:, a - base:start + c - base] = k[a - start:].transpose(0, 1)
     vp[:, a - base:start + c - base] = v[a - start:].transpose(0, 1)

@@ -84,6 +84,7 @@ class WindowChunk:
     write_rows: torch.Tensor       # [r] chunk rows that survive into the ring
     write_index: torch.Tensor      # [r] their ring entries
     masks: BandMasks | None = None       # torch backend
+    ring_read: torch.Tensor | None = None  # torch: ring entries of the earlier context the band reads
     ring_pos: torch.Tensor | None = None  # [R] position per ring entry before the chunk (Triton)
 
 
@@ -97,4 +98,9 @@ def window_chunk(start: int, length: int, sink: int, window: int, g: int, dtype,
         ch.ring_pos = ring_positions(sink, window, start, device)
     else:
         ch.masks = band_masks(start, length, sink, window, g, dtype, device, block)
+        # Band rows start at start + causal rows and reach back `window` positions; what
+        # lies before the chunk is read from the ring (positions [lo, start)).
+        lo = max(0, start + ch.causal_rows - window)
+        if lo < start:
+            ch.ring_read = ring_index(torch.arange(lo, start, device=device), sink, window)
     return ch
