@@ -107,7 +107,7 @@ class LLMEngine:
     def step(self) -> list[Sequence]:
         """Run one engine step; returns the sequences that got a new token."""
         out = self.scheduler.schedule()
-        self._copy_rings()  # window state of prefix-cache hits, before they are attended
+        self._run_cache_copies()  # window state of prefix-cache hits, before they are attended
         if not out.scheduled:
             if self.cache.tier is not None:  # maybe a prefix on its way back from disk
                 self.cache.tier.wait_for_reads(0.05)
@@ -116,7 +116,7 @@ class LLMEngine:
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-        self._copy_rings()  # window-state snapshots planned at this step's ends
+        self._run_cache_copies()  # window-state snapshots planned at this step's ends
         if not seqs:
             return []
         results = sample(logits, seqs)
@@ -125,7 +125,7 @@ class LLMEngine:
             self._append(seq, r, now)
         return seqs
 
-    def _copy_rings(self) -> None:
+    def _run_cache_copies(self) -> None:
         ops = self.cache.pop_ops()
         if ops:
             self.runner.apply(ops, self.cache.tier)
@@ -135,7 +135,7 @@ class LLMEngine:
         """Copy every cached prefix to the disk tier, if any, and wait for the writes."""
         if self.cache.tier is not None:
             self.cache.offload_all()
-            self._copy_rings()
+            self._run_cache_copies()
             self.cache.tier.flush()
 
     def close(self) -> None:
@@ -190,7 +190,7 @@ class LLMEngine:
             while seq.num_computed_tokens < len(ids):
                 n = min(chunk, len(ids) - seq.num_computed_tokens)
                 self.cache.append(seq.seq_id, seq.num_computed_tokens + n)
-                self._copy_rings()  # pages it took may hold evicted prefixes for the disk tier
+                self._run_cache_copies()  # pages it took may hold evicted prefixes for the disk tier
                 logits, _ = self.runner.run([(seq, n)], all_logits=True)
                 out.append(logits)
                 seq.num_computed_tokens += n
