@@ -5,8 +5,8 @@ prefill chunk), then waiting requests in arrival order while every cache pool ad
 them. A waiting request whose prompt starts with a cached prefix skips it: only the
 tokens after it are computed and budgeted. Prefill chunks end where the cache manager
 plans to save window-head state (stop points). When the full-head pool cannot grow a
-running request, the most recently admitted
-request is preempted: its KV is freed and it is recomputed later from its tokens.
+running request, the most recently admitted request is preempted: its KV is freed (its
+full blocks stay cached) and it is recomputed later from its tokens.
 """
 from __future__ import annotations
 
