@@ -27,11 +27,12 @@ class FullHeadPool:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size) if self.active else 0
 
-    def can_allocate(self, num_tokens: int, shared: list[int] = ()) -> bool:
-        """Room for a sequence of `num_tokens` whose first blocks are `shared` (cached):
-        shared blocks nobody holds now leave the free queue too."""
+    def can_allocate(self, num_tokens: int, shared: list[int] = (), extra: int = 0) -> bool:
+        """Room for a sequence of `num_tokens` whose first blocks are `shared` (cached),
+        plus `extra` pages taken from the free queues for it (window-state snapshots):
+        shared blocks nobody holds now leave the free queues too."""
         idle = sum(self.blocks.is_free(b) for b in shared)
-        return self.blocks_for(num_tokens) - len(shared) + idle <= self.blocks.num_free
+        return self.blocks_for(num_tokens) - len(shared) + idle + extra <= self.blocks.num_free
 
     def allocate(self, seq_id: int, num_tokens: int, head: list[int] = ()) -> None:
         """head: the blocks its table starts with, already held for it by the caller

@@ -274,12 +274,12 @@ class KVCacheManager:
         if not self.ring.can_allocate(num_tokens):
             return False
         hit = hit or PrefixHit()
-        pool = self.full.blocks
         snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
-        idle = sum(pool.is_free(b) for b in hit.blocks + (snap.pages if snap else []))
-        if hit.snapshot is not None and snap is None:  # read from disk into new pages
-            idle += self.snapshot_pages
-        return self.full.blocks_for(num_tokens) - len(hit.blocks) + idle <= pool.num_free
+        if snap is not None:  # held while its state is loaded: idle pages leave the free queues
+            extra = sum(self.full.blocks.is_free(b) for b in snap.pages)
+        else:  # read from disk into new pages, or no window state to load
+            extra = self.snapshot_pages if hit.snapshot is not None else 0
+        return self.full.can_allocate(num_tokens, hit.blocks, extra)
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()
