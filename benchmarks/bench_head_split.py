@@ -1,8 +1,9 @@
-"""`full` layout vs a head-split layout on the default model at 2K/4K/8K, in one run:
-KV bytes per sequence, time to first token, decode tokens/s at batch 1, sequences that
-fit a fixed KV budget, and aggregate decode tokens/s with that many sequences.
+"""`full` layout vs a head-split layout on the default model at 2K/4K/8K, in one run,
+each also with an int8 KV cache (--kv-dtypes; "" for none): KV bytes per sequence, time
+to first token, decode tokens/s at batch 1, sequences that fit a fixed KV budget, and
+aggregate decode tokens/s with that many sequences; KV bytes at 32K, computed.
 
-    python benchmarks/bench_head_split.py [--layout PATH] [--budget-gib 2] [--runs 3]
+    python benchmarks/bench_head_split.py [--layout PATH] [--budget-gib 2] [--runs 3] [--kv-dtypes int8]
 
 Without --layout the model's shipped calibrated layout is used (or, if none, the first
 25% of heads in layer order are full).
@@ -42,6 +43,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--agg-steps", type=int, default=8)
+    ap.add_argument("--kv-dtypes", default="int8", help="extra KV cache dtypes, comma-separated")
     ap.add_argument("--out", default="bench/head_split.json")
     a = ap.parse_args()
     from headwise import LLM
@@ -49,11 +51,17 @@ def main() -> None:
 
     budget = int(a.budget_gib * 2**30)
     contexts = [int(x) for x in a.contexts.split(",")]
-    layouts = {"full": "full", "split": split_layout(a.layout)}
-    records, res, dtype = [], {}, None
-    for name, layout in layouts.items():
-        llm = LLM(head_layout=layout, kv_cache_memory=1 << 30, max_num_batched_tokens=8192)
-        label = f"{name} ({llm.layout.full_fraction:.1%} full heads)"
+    kv_dtypes = [d for d in a.kv_dtypes.split(",") if d]
+    layouts = {}  # name -> (layout, kv_cache_dtype)
+    for kv in ["auto", *kv_dtypes]:
+        suffix = "" if kv == "auto" else f"+{kv}"
+        layouts[f"full{suffix}"] = ("full", kv)
+        layouts[f"split{suffix}"] = (split_layout(a.layout), kv)
+    records, res, dtype, at_32k = [], {}, None, {}
+    for name, (layout, kv) in layouts.items():
+        llm = LLM(head_layout=layout, kv_cache_memory=1 << 30, max_num_batched_tokens=8192, kv_cache_dtype=kv)
+        at_32k[name] = llm.kv_bytes(32768)
+        label = f"{name} ({llm.layout.full_fraction:.1%} full heads{'' if kv == 'auto' else ', KV ' + kv})"
         dtype = dtype_name(llm.engine.dtype)
         headwise_single(llm, prompt_ids(llm.tokenizer, 512), 4)  # warm-up
         for L in contexts:
@@ -62,7 +70,7 @@ def main() -> None:
             per_seq = llm.kv_bytes(L + a.agg_steps + 2)
             conc = budget // per_seq
             big = LLM(head_layout=layout, kv_cache_memory=budget, max_num_seqs=max(1, conc),
-                      max_num_batched_tokens=8192)
+                      max_num_batched_tokens=8192, kv_cache_dtype=kv)
             assert big.engine.cache.max_concurrency(L + a.agg_steps + 2) >= conc
             ctx_len = min(L, llm.engine.max_model_len - a.agg_steps - 2)  # room to decode
             agg = [headwise_aggregate(big, ctx_len, conc, a.agg_steps) for _ in range(a.runs)]
@@ -85,12 +93,18 @@ def main() -> None:
             r = res[(name, L)]
             lines.append(f"| {L} | {r['layout']} | {r['kv_bytes_per_seq'] / 2**20:.1f} | {r['ttft_s'].fmt()} | "
                          f"{r['decode_tok_s'].fmt('.1f')} | {r['max_concurrency']} | {r['agg_tok_s'].fmt('.1f')} |")
-        f, s = res[("full", L)], res[("split", L)]
-        lines.append(f"| {L} | **split / full** | **{f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x smaller** | "
-                     f"**{f['ttft_s'].median / s['ttft_s'].median:.2f}x faster** | "
-                     f"**{s['decode_tok_s'].median / f['decode_tok_s'].median:.2f}x** | "
-                     f"**{s['max_concurrency'] / f['max_concurrency']:.2f}x** | "
-                     f"**{s['agg_tok_s'].median / f['agg_tok_s'].median:.2f}x** |")
+        pairs = [("split", "full")] + [(f"split+{kv}", base) for kv in kv_dtypes
+                                       for base in ("full", f"full+{kv}", "split")]
+        for num, den in pairs:
+            s, f = res[(num, L)], res[(den, L)]
+            lines.append(f"| {L} | **{num} / {den}** | **{f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x smaller** | "
+                         f"**{f['ttft_s'].median / s['ttft_s'].median:.2f}x faster** | "
+                         f"**{s['decode_tok_s'].median / f['decode_tok_s'].median:.2f}x** | "
+                         f"**{s['max_concurrency'] / f['max_concurrency']:.2f}x** | "
+                         f"**{s['agg_tok_s'].median / f['agg_tok_s'].median:.2f}x** |")
+    lines += ["", "KV bytes per 32K-token sequence, computed (the model itself stops at 8K):", "",
+              "| layout | KV MiB/seq at 32K | full / this |", "|---|---|---|"]
+    lines += [f"| {n} | {b / 2**20:.1f} | {at_32k['full'] / b:.2f}x |" for n, b in at_32k.items()]
     table = "\n".join(lines)
     print("\n" + table)
     save(a.out, {"machine": machine(), "dtype": dtype, "records": records}, table)

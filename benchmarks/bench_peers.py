@@ -1,5 +1,6 @@
-"""`make bench`: headwise (calibrated layout), headwise (`full`), HF transformers and
-llama.cpp (llama-cpp-python on the same GGUF) side by side on the default model.
+"""`make bench`: headwise (calibrated layout), the same with an int8 KV cache, headwise
+(`full`), HF transformers and llama.cpp (llama-cpp-python on the same GGUF) side by side
+on the default model.
 
 Per system and context: time to first token, decode tokens/s at batch 1, KV bytes per
 sequence, sequences that fit a fixed KV budget, aggregate decode tokens/s with that many
@@ -143,7 +144,7 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=2.0)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--agg-steps", type=int, default=8)
-    ap.add_argument("--systems", default="headwise,headwise-full,transformers,llama.cpp")
+    ap.add_argument("--systems", default="headwise,headwise-int8,headwise-full,transformers,llama.cpp")
     ap.add_argument("--out-dir", default="bench")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                     help="headwise and transformers compute dtype (auto: as the engine picks it)")

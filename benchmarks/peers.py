@@ -14,11 +14,12 @@ class Skip(Exception):
 
 
 class HeadwiseSystem:
-    def __init__(self, name: str, model: str | None, layout, max_context: int, dtype: str) -> None:
+    def __init__(self, name: str, model: str | None, layout, max_context: int, dtype: str,
+                 kv_cache_dtype: str = "auto") -> None:
         from headwise import LLM
 
         self.name, self.model, self.layout = name, model, layout
-        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192, dtype=dtype)
+        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
         self.llm = LLM(model, kv_cache_memory=1 << 30, **self.opts)
         self.max_len = self.llm.engine.max_model_len
 
@@ -186,14 +187,14 @@ class _LlamaTok:
 def make(name: str, model: str | None, max_context: int, layout=None, dtype: str = "float32"):
     """dtype: the resolved compute dtype ("float32" | "bfloat16") shared by headwise and
     transformers; llama.cpp runs the GGUF as it is (quantized weights, f16 KV)."""
-    if name == "headwise":
+    if name in ("headwise", "headwise-int8"):
         from headwise.layouts import shipped_layout
         from headwise.weights.loader import DEFAULT_MODEL_NAME
 
         lay = layout or (shipped_layout(DEFAULT_MODEL_NAME, (30, 3, 64)) if model is None else None)
         if lay is None:
             raise Skip("no calibrated layout for this model; run headwise calibrate and pass it")
-        return HeadwiseSystem("headwise", model, lay, max_context, dtype)
+        return HeadwiseSystem(name, model, lay, max_context, dtype, "int8" if name.endswith("int8") else "auto")
     if name == "headwise-full":
         return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":

@@ -8,6 +8,8 @@ from typing import Any
 
 import torch
 
+from headwise.cache.layout import KV_CACHE_DTYPES
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)
 BACKENDS = ("auto", "torch", "triton")
@@ -54,6 +56,9 @@ class EngineConfig:
     dtype: str = _opt("auto", "compute and KV dtype; auto: bfloat16 where the device computes it "
                       "natively and the checkpoint is 16-bit or quantized, else float32",
                       str, DTYPE_CHOICES)
+    kv_cache_dtype: str = _opt("auto", "KV cache dtype of both head classes (a layout file may set "
+                               "each class's own): auto (the compute dtype), bfloat16, float16, float32, "
+                               "int8 (a scale per token and head), fp8_e4m3 (CUDA only)", str, KV_CACHE_DTYPES)
     head_layout: Any = _opt(None, "full | window | PATH to a layout JSON (default: the model's "
                             "shipped layout, else full)", str)
     block_size: int = _opt(16, "tokens per full-head KV block", int)
@@ -87,6 +92,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPE_CHOICES:
             raise ConfigError(f"dtype must be one of {list(DTYPE_CHOICES)}, got {self.dtype!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         for name in ("block_size", "kv_cache_memory", "max_num_seqs", "max_num_batched_tokens", "kv_offload_bytes"):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
@@ -110,6 +117,9 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
+        if self.kv_cache_dtype == "fp8_e4m3" and dev.type != "cuda":
+            raise ConfigError("kv_cache_dtype='fp8_e4m3' needs a CUDA device; on the CPU use int8 "
+                              f"(choices: {list(KV_CACHE_DTYPES)})")
         if self.attention_backend not in BACKENDS:
             raise ConfigError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.window_positions not in WINDOW_POSITIONS:

@@ -11,12 +11,13 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
     out = tmp_path / "bench"
     rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "64,128",
                            "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
-                           "--systems", "headwise,headwise-full,transformers,llama.cpp", "--out-dir", str(out)])
+                           "--systems", "headwise,headwise-int8,headwise-full,transformers,llama.cpp",
+                           "--out-dir", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     assert res["dtype"] == "float32"  # auto: the tiny checkpoint is float32
     recs = res["records"]
-    assert {r["system"] for r in recs} == {"headwise", "headwise-full", "transformers"}
+    assert {r["system"] for r in recs} == {"headwise", "headwise-int8", "headwise-full", "transformers"}
     for r in recs:
         for f in bench_peers.FIELDS:
             assert f in r, f
@@ -34,6 +35,9 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
     assert rt["concurrency"] == me["max_concurrency"] / full["max_concurrency"]
     assert rt["ttft"] == full["ttft_s"] / me["ttft_s"]
     assert f"| 128 | headwise-full | {rt['ttft']:.2f}x" in md
+    # int8 KV: float32 values become int8 plus one float32 scale per token and head
+    D = 16
+    assert by[("headwise-int8", 128)]["kv_bytes_per_seq"] * 4 * D == me["kv_bytes_per_seq"] * (D + 4)
 
 
 def test_ratio_of_zero_is_infinite_not_a_crash():

@@ -21,11 +21,12 @@ def backend_options(backend: str) -> dict:
     return dict(attention_backend="torch")
 
 
-def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False) -> torch.Tensor:
+def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False, kv_round=None) -> torch.Tensor:
     """Full-sequence forward with plain per-head masks: full heads causal, window heads
     causal and (j < sink or j > i - window). No cache; written for clarity.
     rebased: window heads see sink keys at the distance they would have if the evicted
-    tokens were dropped (StreamingLLM): the query sits at i - max(0, i - (sink + window - 1))."""
+    tokens were dropped (StreamingLLM): the query sits at i - max(0, i - (sink + window - 1)).
+    kv_round: per head class, a function giving K/V [T, D] as a quantized cache holds them."""
     model, layout = llm.engine.model, llm.engine.layout
     cfg = model.config
     T = len(ids)
@@ -48,16 +49,18 @@ def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False) -> t
         for qh in range(cfg.num_heads):
             kh = qh // cfg.group_size
             spec = layout.heads[l][order[kh]]
+            rt = (kv_round or {}).get(spec.kind, lambda t: t)
+            kk, vv = rt(k[:, kh]), rt(v[:, kh])
             mask = j <= i
             if spec.kind == "window":
                 mask = mask & ((j < spec.sink) | (j > i - spec.window))
-            s = (q[:, qh] @ k[:, kh].T) / cfg.head_dim ** 0.5
+            s = (q[:, qh] @ kk.T) / cfg.head_dim ** 0.5
             if rebased and spec.kind == "window":
                 delta = (pos - (spec.sink + spec.window - 1)).clamp(min=0)
                 q_at = model.model.rotary(pos - delta, q0, k0)[0]
-                s = torch.where(j < spec.sink, (q_at[:, qh] @ k[:, kh].T) / cfg.head_dim ** 0.5, s)
+                s = torch.where(j < spec.sink, (q_at[:, qh] @ kk.T) / cfg.head_dim ** 0.5, s)
             s = s.masked_fill(~mask, float("-inf"))
-            outs.append(torch.softmax(s, -1) @ v[:, kh])
+            outs.append(torch.softmax(s, -1) @ vv)
         x = x + att.o_proj(torch.stack(outs, 1).reshape(T, -1))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     return model.lm_head(model.model.norm(x)).float().cpu()
@@ -245,14 +248,16 @@ def test_slot_runs_follow_block_table():
     (4, 8, 0, 37), (4, 8, 0, 12), (4, 8, 0, 13), (4, 8, 0, 17), (4, 8, 2, 30), (4, 8, 6, 30), (4, 8, 11, 23), (4, 8, 40, 17),
     (0, 8, 0, 29), (0, 8, 19, 9), (3, 1, 0, 12), (3, 1, 9, 5), (6, 16, 0, 5), (6, 16, 50, 1),
 ])
-@pytest.mark.parametrize("rebased", [False, True])
-def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased):
+@pytest.mark.parametrize("rebased, kv_dtype", [(False, None), (True, None), (False, torch.int8)])
+def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_dtype):
     """The window prefill (causal prefix of a first chunk, then band + sinks over many
     query blocks of size 4, earlier context read from the ring) against a dense masked
-    softmax over every position."""
+    softmax over every position. int8: the ring holds quantized K/V, and the reference
+    attends over the same quantized-then-dequantized K/V."""
     from headwise.layers import torch_attention
     from headwise.layers.attention import WindowGroup
     from headwise.layers.context import PrefillChunk, StepContext
+    from headwise.layers.kv_tensor import KVTensor
     from headwise.layers.window_geometry import ring_index, window_chunk
 
     torch.manual_seed(start * 100 + c)
@@ -264,11 +269,19 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased):
         q_sink = torch.where((torch.arange(T) < sink + window)[:, None, None], q, torch.randn(T, n * g, D))
     k, v = torch.randn(T, n, D), torch.randn(T, n, D)
     R = sink + window
-    k_ring, v_ring = torch.randn(2, n, R, D), torch.randn(2, n, R, D)  # junk where unwritten
+
+    def ring() -> KVTensor:  # junk where unwritten
+        if kv_dtype is None:
+            return KVTensor(torch.randn(2, n, R, D), None, torch.float32)
+        return KVTensor(torch.randint(-127, 128, (2, n, R, D), dtype=kv_dtype), torch.rand(2, n, R), torch.float32)
+
+    k_ring, v_ring = ring(), ring()
     wg = WindowGroup(0, n, sink, window, k_ring, v_ring)
+    k, v = k_ring.round_trip(k), v_ring.round_trip(v)  # what the layer hands the backend
     for p in range(start):  # what earlier chunks left in ring slot 1
         r = int(ring_index(torch.tensor(p), sink, window))
-        k_ring[1, :, r], v_ring[1, :, r] = k[p], v[p]
+        k_ring.store((1, slice(None), r), k[p])
+        v_ring.store((1, slice(None), r), v[p])
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
     ch.window[(sink, window)] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
                                                    for_kernels=False, block=4)

@@ -11,6 +11,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from headwise.kernels import triton_attention as ta  # noqa: E402
+from headwise.layers.kv_tensor import dequantize, quantize  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"
 D = 16
@@ -147,3 +148,72 @@ def test_bfloat16_inputs():
     ref = _softmax_attend(q.to(bf).float()[0][:, None], kk, vv, torch.ones(1, 90, dtype=torch.bool), D ** -0.5)
     assert got.dtype == bf
     torch.testing.assert_close(got.float().cpu()[0], ref[:, 0], atol=2e-2, rtol=2e-2)
+
+
+# ---- quantized caches: values and per-token scales, dequantized in the kernels' loads --
+# fp8 runs on a GPU only: Triton's interpreter cannot load fp8.
+QUANT = [torch.int8, pytest.param(torch.float8_e4m3fn, marks=pytest.mark.skipif(
+    DEV != "cuda", reason="Triton's interpreter has no fp8"))]
+
+
+def _quant(x, dtype):
+    """(values, scales) as the cache stores x, and the dequantized x every read sees."""
+    q, s = quantize(x, dtype, torch.float32)
+    return q, s, dequantize(q, s, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+@pytest.mark.parametrize("block_size,nf,g", [(16, 2, 3), (1, 1, 1)])
+def test_quantized_paged_decode_and_prefill(block_size, nf, g, dtype):
+    gen = torch.Generator().manual_seed(11 + block_size)
+    lens = [5, 130]
+    kc, vc, bt, _ = _paged_pool(lens, block_size, nf, gen)
+    (kq, ks, kd), (vq, vs, vd) = _quant(kc, dtype), _quant(vc, dtype)
+    assert kq.dtype == dtype and not torch.equal(kd, kc)  # the reference is the quantized one
+    scale = D ** -0.5
+    q = torch.randn(len(lens), nf * g, D, generator=gen)
+    dev = lambda *t: [x.to(DEV) for x in t]  # noqa: E731
+    got = ta.paged_decode(*dev(q, kq, vq, bt, torch.tensor(lens, dtype=torch.int32)), block_size, scale,
+                          k_scale=ks.to(DEV), v_scale=vs.to(DEV)).cpu()
+    ref = ta.paged_decode(*dev(q, kd, vd, bt, torch.tensor(lens, dtype=torch.int32)), block_size, scale).cpu()
+    torch.testing.assert_close(got, ref, **TOL)
+    c, start = 40, lens[1] - 40
+    qp = torch.randn(c, nf * g, D, generator=gen)
+    got = ta.paged_prefill(*dev(qp, kq, vq, bt[1]), start, block_size, scale,
+                           k_scale=ks.to(DEV), v_scale=vs.to(DEV)).cpu()
+    ref = ta.paged_prefill(*dev(qp, kd, vd, bt[1]), start, block_size, scale).cpu()
+    torch.testing.assert_close(got, ref, **TOL)
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_quantized_ring_decode_and_window_prefill(dtype):
+    gen = torch.Generator().manual_seed(5)
+    n, g, S, sink, window, start, c = 2, 3, 4, 4, 8, 30, 20
+    R = sink + window
+    (kq, ks, kd), (vq, vs, vd) = (_quant(torch.randn(S, n, R, D, generator=gen), dtype),
+                                  _quant(torch.randn(S, n, R, D, generator=gen), dtype))
+    slots, lens = [2, 0], [7, 300]
+    q = torch.randn(2, n * g, D, generator=gen)
+    scale = D ** -0.5
+    sl, ln = torch.tensor(slots, device=DEV), torch.tensor(lens, device=DEV)
+    got = ta.ring_decode(q.to(DEV), kq.to(DEV), vq.to(DEV), sl, ln, scale, k_scale=ks.to(DEV), v_scale=vs.to(DEV))
+    ref = ta.ring_decode(q.to(DEV), kd.to(DEV), vd.to(DEV), sl, ln, scale)
+    torch.testing.assert_close(got.cpu(), ref.cpu(), **TOL)
+    # Window prefill: the ring (slot 1) quantized; the chunk's own K/V come round-tripped.
+    k_all = _quant(torch.randn(n, start + c, D, generator=gen), dtype)[2]
+    v_all = _quant(torch.randn(n, start + c, D, generator=gen), dtype)[2]
+    kr, vr, ring_pos = _ring_from_history(k_all, v_all, start, sink, window)
+    (krq, krs, krd), (vrq, vrs, vrd) = _quant(kr, dtype), _quant(vr, dtype)
+    qc = torch.randn(c, n * g, D, generator=gen)
+    kc, vc = k_all[:, start:].transpose(0, 1), v_all[:, start:].transpose(0, 1)
+    got = ta.window_prefill(qc.to(DEV), kc.to(DEV), vc.to(DEV), krq.to(DEV), vrq.to(DEV), ring_pos.to(DEV),
+                            start, sink, window, scale, k_scale=krs.to(DEV), v_scale=vrs.to(DEV)).cpu()
+    k_ref, v_ref = k_all.clone(), v_all.clone()  # earlier positions as the ring returns them
+    for i, p in enumerate(ring_pos.tolist()):
+        if p >= 0:
+            k_ref[:, p], v_ref[:, p] = krd[:, i], vrd[:, i]
+    qp, kp = torch.arange(start, start + c)[:, None], torch.arange(start + c)[None, :]
+    visible = (kp <= qp) & ((kp < sink) | (kp > qp - window))
+    ref = _softmax_attend(qc.transpose(0, 1), k_ref.repeat_interleave(g, 0), v_ref.repeat_interleave(g, 0),
+                          visible, scale).transpose(0, 1)
+    torch.testing.assert_close(got, ref, **TOL)

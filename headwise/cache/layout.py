@@ -1,12 +1,15 @@
 """Head layouts: which (layer, KV head) keeps every token and which keeps sink + window.
 
-File format (JSON, version 1):
-    {"format": "headwise-head-layout", "version": 1, "model": "<id>",
+File format (JSON, version 2):
+    {"format": "headwise-head-layout", "version": 2, "model": "<id>",
      "num_layers": L, "num_kv_heads": H, "head_dim": D,
      "sink": 64, "window": 256,
      "heads": [["full", "window", {"class": "window", "sink": 32, "window": 512}], ...],
+     "kv_dtype": {"full": "int8", "window": "bfloat16"},  # optional, per head class
      "scores": [[...], ...]}          # optional, per-head calibration scores
-A head given as a bare string uses the file's default sink and window.
+A head given as a bare string uses the file's default sink and window. `kv_dtype` sets a
+class's KV cache dtype, overriding the engine's kv_cache_dtype option for that class.
+Version 1 files (no kv_dtype) still load.
 """
 from __future__ import annotations
 
@@ -17,10 +20,14 @@ from pathlib import Path
 from typing import Any
 
 FORMAT = "headwise-head-layout"
-VERSION = 1
+VERSION = 2
+READABLE_VERSIONS = (1, 2)
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
 HEAD_CLASSES = ("full", "window")
+# KV cache dtypes, by the names options and layout files use. "auto": the compute dtype;
+# int8 and fp8_e4m3 store one scale per token and head beside the values.
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3")
 
 
 class LayoutError(ValueError):
@@ -56,8 +63,14 @@ class HeadLayout:
     heads: list[list[HeadSpec]]     # [layer][kv_head]
     model: str = ""
     scores: list[list[float]] | None = None
+    kv_dtype: dict[str, str] | None = None  # head class -> KV cache dtype (overrides the option)
 
     def __post_init__(self) -> None:
+        for cls_name, dt in (self.kv_dtype or {}).items():
+            if cls_name not in HEAD_CLASSES or dt not in KV_CACHE_DTYPES:
+                raise LayoutError(
+                    f"layout {self.name!r}: kv_dtype maps a head class {HEAD_CLASSES} to one of "
+                    f"{KV_CACHE_DTYPES}, got {cls_name!r}: {dt!r}")
         if len(self.heads) != self.num_layers or any(len(r) != self.num_kv_heads for r in self.heads):
             raise LayoutError(
                 f"layout {self.name!r} lists {len(self.heads)} layers x "
@@ -140,6 +153,8 @@ class HeadLayout:
             "sink": self.default_sink, "window": self.default_window,
             "heads": [[enc(s) for s in row] for row in self.heads],
         }
+        if self.kv_dtype:
+            d["kv_dtype"] = dict(self.kv_dtype)
         if self.scores is not None:
             d["scores"] = self.scores
         return d
@@ -161,8 +176,12 @@ class HeadLayout:
             raise LayoutError(f"{name}: a head layout must be a JSON object")
         if d.get("format") != FORMAT:
             raise LayoutError(f"{name}: not a headwise head layout (format={d.get('format')!r})")
-        if d.get("version") != VERSION:
-            raise LayoutError(f"{name}: unsupported layout version {d.get('version')!r}; expected {VERSION}")
+        if d.get("version") not in READABLE_VERSIONS:
+            raise LayoutError(f"{name}: unsupported layout version {d.get('version')!r}; "
+                              f"expected one of {READABLE_VERSIONS}")
+        kv_dtype = d.get("kv_dtype")
+        if kv_dtype is not None and not isinstance(kv_dtype, dict):
+            raise LayoutError(f"{name}: 'kv_dtype' must be an object such as {{\"full\": \"int8\"}}")
         try:
             L, H, D = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
             sink, window = d.get("sink", DEFAULT_SINK), d.get("window", DEFAULT_WINDOW)
@@ -189,7 +208,8 @@ class HeadLayout:
                 except LayoutError as err:
                     raise LayoutError(f"{name}: layer {l} head {h}: {err}") from None
             heads.append(specs)
-        return cls(d.get("name", name), L, H, D, heads, model=d.get("model", ""), scores=d.get("scores"))
+        return cls(d.get("name", name), L, H, D, heads, model=d.get("model", ""), scores=d.get("scores"),
+                   kv_dtype=kv_dtype)
 
     @classmethod
     def load(cls, path: str | Path) -> "HeadLayout":

@@ -34,7 +34,7 @@ from headwise.cache.layout import HeadLayout
 from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
-from headwise.cache.spec import CacheGeometry, KVClassSpec
+from headwise.cache.spec import CacheGeometry, class_specs
 
 # A snapshot this many tokens (rounded to blocks) before the end of each prompt.
 TRAILING_TOKENS = 128
@@ -55,12 +55,13 @@ class _SeqBooks:
 
 class KVCacheManager:
     def __init__(self, layout: HeadLayout, block_size: int, kv_cache_memory: int,
-                 max_num_seqs: int, dtype: torch.dtype, enable_prefix_caching: bool = False) -> None:
+                 max_num_seqs: int, dtype: torch.dtype, enable_prefix_caching: bool = False,
+                 kv_cache_dtype: str = "auto") -> None:
+        """dtype: the model's compute dtype; kv_cache_dtype: how both classes store KV
+        (see KV_CACHE_DTYPES), unless the layout sets a class's own."""
         self.layout = layout
         self.block_size = block_size
-        D = layout.head_dim
-        self.geometry = CacheGeometry.from_layout(
-            layout, block_size, KVClassSpec("full", dtype, D), KVClassSpec("window", dtype, D))
+        self.geometry = CacheGeometry.from_layout(layout, block_size, *class_specs(layout, kv_cache_dtype, dtype))
         geo = self.geometry
         self.ring = RingPool(max_num_seqs, geo.ring_bytes)
         if self.ring.total_bytes > kv_cache_memory:
@@ -86,8 +87,8 @@ class KVCacheManager:
         self.index = PrefixIndex(pool)
         self.snapshot_pages = (-(-geo.ring_bytes // self.page_bytes)
                                if self.caching and self.ring.active and self.page_bytes else 0)
-        # Different KV never shares a key: the root names the layout, dtype, block size.
-        self._root = root_hash(("headwise", layout.shape, str(dtype), block_size,
+        # Different KV never shares a key: the root names the layout, dtypes, block size.
+        self._root = root_hash(("headwise", layout.shape, str(dtype), geo.full.label, geo.window.label, block_size,
                                 tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
         self._seqs: dict[int, _SeqBooks] = {}
         self._ops: list[RingCopy | PageOut | PageIn] = []

@@ -9,25 +9,64 @@ from dataclasses import dataclass
 
 import torch
 
-from headwise.cache.layout import HeadLayout
+from headwise.cache.layout import HEAD_CLASSES, KV_CACHE_DTYPES, HeadLayout
+
+# Storage dtype of each KV cache dtype name ("auto": the compute dtype).
+_STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
+            "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+QUANTIZED = ("int8", "fp8_e4m3")
+
+
+def _size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
 
 
 @dataclass(frozen=True)
 class KVClassSpec:
-    """Storage of one head class. Both classes may later differ in dtype (and gain scale
-    storage, counted here), so every byte figure of a class comes from this one place."""
+    """Storage of one head class: every byte figure of a class comes from here.
+    Quantized classes (scale_dtype set) keep one symmetric scale per token and head for
+    K and one for V, in the compute dtype, beside the values (x ~ q * scale)."""
     name: str              # "full" | "window"
-    dtype: torch.dtype
+    dtype: torch.dtype     # storage dtype of the values
     head_dim: int
+    scale_dtype: torch.dtype | None = None
+
+    @classmethod
+    def resolve(cls, name: str, kv_cache_dtype: str, compute: torch.dtype, head_dim: int) -> "KVClassSpec":
+        """A head class stored as `kv_cache_dtype` (see KV_CACHE_DTYPES) by a model
+        computing in `compute`."""
+        if kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {kv_cache_dtype!r}")
+        if kv_cache_dtype == "auto":
+            return cls(name, compute, head_dim)
+        return cls(name, _STORAGE[kv_cache_dtype], head_dim,
+                   compute if kv_cache_dtype in QUANTIZED else None)
 
     @property
     def element_size(self) -> int:
-        return torch.empty((), dtype=self.dtype).element_size()
+        return _size(self.dtype)
+
+    @property
+    def scale_size(self) -> int:
+        """Bytes of one scale (0: not quantized)."""
+        return _size(self.scale_dtype) if self.scale_dtype is not None else 0
 
     @property
     def bytes_per_head_token(self) -> int:
-        """K and V of one token of one head."""
-        return 2 * self.head_dim * self.element_size
+        """K and V of one token of one head, scales included."""
+        return 2 * (self.head_dim * self.element_size + self.scale_size)
+
+    @property
+    def label(self) -> str:
+        """Names the stored format (prefix-cache keys and tier fingerprints differ by it)."""
+        s = str(self.dtype).removeprefix("torch.")
+        return s if self.scale_dtype is None else f"{s}*{str(self.scale_dtype).removeprefix('torch.')}"
+
+
+def class_specs(layout: HeadLayout, kv_cache_dtype: str, compute: torch.dtype) -> tuple[KVClassSpec, KVClassSpec]:
+    """(full, window) specs: the layout's per-class kv_dtype where it sets one, else the option."""
+    chosen = {c: (layout.kv_dtype or {}).get(c, kv_cache_dtype) for c in HEAD_CLASSES}
+    return tuple(KVClassSpec.resolve(c, chosen[c], compute, layout.head_dim) for c in HEAD_CLASSES)
 
 
 @dataclass(frozen=True)
@@ -92,9 +131,14 @@ class CacheGeometry:
         return sum(self.num_full)
 
     @property
+    def ring_tokens(self) -> int:
+        """Head-tokens in one ring slot (sink + window of every window head of every layer)."""
+        return sum(g.num_heads * g.ring_size for gs in self.groups for g in gs)
+
+    @property
     def ring_elems(self) -> int:
-        """Elements of K (or of V) in one ring slot, every window head of every layer."""
-        return sum(g.num_heads * g.ring_size for gs in self.groups for g in gs) * self.window.head_dim
+        """Elements of K (or of V) in one ring slot."""
+        return self.ring_tokens * self.window.head_dim
 
     @property
     def block_bytes(self) -> int:
@@ -103,8 +147,8 @@ class CacheGeometry:
 
     @property
     def ring_bytes(self) -> int:
-        """One ring slot: sink + window tokens of every window head, K and V."""
-        return 2 * self.ring_elems * self.window.element_size
+        """One ring slot: sink + window tokens of every window head, K and V, scales included."""
+        return self.ring_tokens * self.window.bytes_per_head_token
 
     def seq_bytes(self, num_tokens: int) -> int:
         """KV bytes one sequence of `num_tokens` tokens holds: its blocks and its ring."""

@@ -1,17 +1,23 @@
 """The KV tensors, allocated by the model runner from the cache manager's geometry and
-bound into the attention layers as per-layer views (the model owns no cache memory)."""
+bound into the attention layers as per-layer views (the model owns no cache memory).
+A quantized class has a scale tensor beside each value tensor, with the same leading
+shape; byte copies (snapshots, tier pages) carry both."""
 from __future__ import annotations
 
 import torch
 
 from headwise.cache.spec import CacheGeometry, WindowGroupSpec
 from headwise.layers.attention import WindowGroup
+from headwise.layers.kv_tensor import KVTensor
 
 
 class KVStorage:
     def __init__(self, geo: CacheGeometry, num_blocks: int, num_ring_slots: int,
-                 device: torch.device | str = "cpu", page_bytes: int = 0) -> None:
+                 device: torch.device | str = "cpu", page_bytes: int = 0,
+                 compute_dtype: torch.dtype | None = None) -> None:
         self.geometry = geo
+        # What reads return (the model's dtype); a plain class defaults to its own dtype.
+        self.compute = {c.name: compute_dtype or c.scale_dtype or c.dtype for c in (geo.full, geo.window)}
         self.num_ring_slots = num_ring_slots
         self.num_blocks = num_blocks
         F, D = geo.total_full_heads, geo.full.head_dim
@@ -19,9 +25,16 @@ class KVStorage:
         # Head-major so that layer l's full heads are one contiguous slice.
         self.full_k = torch.zeros(F, slots, D, dtype=geo.full.dtype, device=device)  # [F, slots, D]
         self.full_v = torch.zeros(F, slots, D, dtype=geo.full.dtype, device=device)
+        fs = geo.full.scale_dtype
+        self.full_k_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)  # [F, slots]
+        self.full_v_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)
         # Per (layer, window group) a contiguous [2, num_ring_slots, n, sink + window, D]
-        # block, so decode runs one batched matmul over all slots of a group.
+        # block, so decode runs one batched matmul over all slots of a group; scales
+        # likewise [2, num_ring_slots, n, sink + window].
         self.rings = torch.zeros(2 * num_ring_slots * geo.ring_elems, dtype=geo.window.dtype, device=device)
+        ws = geo.window.scale_dtype
+        self.ring_scales = (None if ws is None else
+                            torch.zeros(2 * num_ring_slots * geo.ring_tokens, dtype=ws, device=device))
         # Pages of the block pool are full-head blocks; a layout without full heads that
         # caches window state gets plain pages of `page_bytes` instead.
         self.pages = torch.zeros(0 if F else num_blocks, page_bytes, dtype=torch.uint8, device=device)
@@ -29,20 +42,31 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.rings, self.pages))
+        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.full_k_scale,
+                                                           self.full_v_scale, self.rings, self.ring_scales,
+                                                           self.pages) if t is not None)
 
     # ---- window-state snapshots: a ring slot's bytes <-> pages of the block pool ------
+    def _ring_parts(self, slot: int) -> list[torch.Tensor]:
+        """One ring slot's tensors, every window group's K then V, values then scales."""
+        parts = []
+        for kv in self._groups:
+            for t in kv:
+                parts.append(t.data[slot])
+                if t.quantized:
+                    parts.append(t.scale[slot])
+        return parts
+
     def read_ring(self, slot: int) -> torch.Tensor:
-        """The bytes of one ring slot, every window group's K then V, flat uint8."""
-        return torch.cat([t[slot].reshape(-1).view(torch.uint8) for kv in self._groups for t in kv])
+        """The bytes of one ring slot (see _ring_parts), flat uint8."""
+        return torch.cat([t.reshape(-1).view(torch.uint8) for t in self._ring_parts(slot)])
 
     def write_ring(self, slot: int, data: torch.Tensor) -> None:
         at = 0
-        for kv in self._groups:
-            for t in kv:
-                dst = t[slot].view(-1).view(torch.uint8)
-                dst.copy_(data[at: at + dst.numel()])
-                at += dst.numel()
+        for t in self._ring_parts(slot):
+            dst = t.view(-1).view(torch.uint8)
+            dst.copy_(data[at: at + dst.numel()])
+            at += dst.numel()
 
     def _page_views(self) -> list[torch.Tensor]:
         """The pool as [F, num_blocks, bytes per block per head] byte views of K and V
@@ -50,7 +74,8 @@ class KVStorage:
         if self.pages.shape[0]:
             return [self.pages[None]]
         F = self.full_k.shape[0]
-        return [t.view(torch.uint8).view(F, self.num_blocks, -1) for t in (self.full_k, self.full_v)]
+        return [t.view(torch.uint8).view(F, self.num_blocks, -1)
+                for t in (self.full_k, self.full_v, self.full_k_scale, self.full_v_scale) if t is not None]
 
     def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         views = self._page_views()
@@ -58,29 +83,38 @@ class KVStorage:
         per = sum(v.shape[0] * v.shape[2] for v in views)  # bytes of one page
         buf = torch.zeros(len(pages) * per, dtype=torch.uint8, device=data.device)
         buf[: data.numel()] = data
-        buf = buf.view(len(pages), len(views), -1)  # [N, K/V, F * bytes]
-        for i, v in enumerate(views):
-            v.index_copy_(1, idx, buf[:, i].reshape(len(pages), v.shape[0], -1).transpose(0, 1))
+        buf = buf.view(len(pages), per)  # [N, views' bytes one after another]
+        at = 0
+        for v in views:
+            n = v.shape[0] * v.shape[2]
+            v.index_copy_(1, idx, buf[:, at: at + n].reshape(len(pages), v.shape[0], -1).transpose(0, 1))
+            at += n
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         views = self._page_views()
         idx = torch.tensor(pages, device=views[0].device)
         parts = [v.index_select(1, idx).transpose(0, 1).reshape(len(pages), -1) for v in views]
-        return torch.stack(parts, 1).reshape(-1)  # [N, K/V, F * bytes] flat
+        return torch.cat(parts, 1).reshape(-1)  # [N, views' bytes] flat
 
-    def _ring_view(self, kv: int, g: WindowGroupSpec) -> torch.Tensor:
+    def _ring_view(self, kv: int, g: WindowGroupSpec) -> KVTensor:
         """[num_ring_slots, n, sink + window, D] K (kv=0) or V (kv=1) of one group."""
         S, D = self.num_ring_slots, self.geometry.window.head_dim
-        size = S * g.num_heads * g.ring_size * D
-        start = 2 * S * g.offset + kv * size
-        return self.rings[start: start + size].view(S, g.num_heads, g.ring_size, D)
+        tokens = S * g.num_heads * g.ring_size
+        start = 2 * S * g.offset // D + kv * tokens  # in head-tokens
+        data = self.rings[start * D: (start + tokens) * D].view(S, g.num_heads, g.ring_size, D)
+        scale = (None if self.ring_scales is None else
+                 self.ring_scales[start: start + tokens].view(S, g.num_heads, g.ring_size))
+        return KVTensor(data, scale, self.compute["window"])
 
     def layer_views(self, layer: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, list[WindowGroup]]:
         """(number of full heads, their K and V [nf, slots, D], window groups) of a layer."""
         geo = self.geometry
         nf, off = geo.num_full[layer], geo.full_offset[layer]
-        kf = self.full_k[off: off + nf] if nf else None
-        vf = self.full_v[off: off + nf] if nf else None
+        kf = vf = None
+        if nf:
+            heads, dt = slice(off, off + nf), self.compute["full"]
+            kf = KVTensor(self.full_k[heads], None if self.full_k_scale is None else self.full_k_scale[heads], dt)
+            vf = KVTensor(self.full_v[heads], None if self.full_v_scale is None else self.full_v_scale[heads], dt)
         groups = [WindowGroup(g.kv_start, g.kv_end, g.sink, g.window, self._ring_view(0, g), self._ring_view(1, g))
                   for g in geo.groups[layer]]
         return nf, kf, vf, groups

@@ -8,7 +8,7 @@ import torch
 from headwise.cache.disk_tier import DiskTier, fingerprint
 from headwise.cache.layout import resolve_layout
 from headwise.cache.manager import KVCacheManager
-from headwise.config import EngineConfig
+from headwise.config import ConfigError, EngineConfig
 from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
@@ -17,7 +17,8 @@ from headwise.engine.sequence import Sequence
 from headwise.layouts import shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
-from headwise.weights.loader import checkpoint_dtype, load_model, model_identity, release_freed_heap
+from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_model, model_identity,
+                                     release_freed_heap)
 
 
 class PromptTooLongError(ValueError):
@@ -49,15 +50,22 @@ class LLMEngine:
         permute_model_heads(self.model, self.layout)
         self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
         release_freed_heap()  # before the KV pools are allocated
+        keep_freed_heap()  # then a step's temporaries reuse memory instead of faulting in pages
         limit = mcfg.max_position_embeddings
         if mcfg.sliding_window:
             limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
-                                    config.max_num_seqs, self.dtype, config.enable_prefix_caching)
+                                    config.max_num_seqs, self.dtype, config.enable_prefix_caching,
+                                    config.kv_cache_dtype)
+        geo = self.cache.geometry
+        if torch.float8_e4m3fn in (geo.full.dtype, geo.window.dtype) and config.torch_device.type != "cuda":
+            raise ConfigError(f"layout {self.layout.name!r} stores KV as fp8_e4m3, which needs a CUDA "
+                              "device; on the CPU use int8")
         if config.kv_offload_dir or config.kv_offload_host_bytes:
             fp = fingerprint(model_identity(config.model) if not loaded else mcfg.name,
-                             self.cache.root, str(self.dtype), config.block_size)
+                             self.cache.root, f"{self.dtype}/{geo.full.label}/{geo.window.label}",
+                             config.block_size)
             self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp,
                                             config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,

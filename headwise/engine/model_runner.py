@@ -27,7 +27,7 @@ class ModelRunner:
         self.rebased = window_positions == "rebased"
         self.window_kinds = cache.geometry.window_kinds()
         self.kv = KVStorage(cache.geometry, cache.num_blocks, cache.num_ring_slots, self.device,
-                            page_bytes=cache.page_bytes)
+                            page_bytes=cache.page_bytes, compute_dtype=dtype)
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 
+from headwise.cache.layout import KV_CACHE_DTYPES
 from headwise.config import add_engine_args, engine_options
 from headwise.evaluation.runner import ALL_TASKS
 from headwise.evaluation.suite import EVAL_ENGINE_OPTIONS, run_eval
@@ -29,6 +30,9 @@ def add_eval(sub) -> None:
                    help="add `window` with the same KV bytes and a random layout with the same full fraction")
     p.add_argument("--rebased", action="store_true",
                    help="also run each layout with window heads under StreamingLLM-style re-based positions")
+    p.add_argument("--kv-dtypes", default="",
+                   help="also run each layout with these KV cache dtypes, comma-separated "
+                        f"(e.g. int8; choices {', '.join(KV_CACHE_DTYPES[1:])}); rows named LAYOUT+DTYPE")
     p.add_argument("--json", default=None)
     p.add_argument("--plot-dir", default=None)
     add_engine_args(p, exclude=("head_layout",))
@@ -41,9 +45,13 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if bad:
         raise ValueError(f"unknown task {bad[0]!r}; choose from {', '.join(ALL_TASKS)}")
     lengths = int_list(args.lengths, "--lengths")
+    kv_dtypes = tuple(d.strip() for d in args.kv_dtypes.split(",") if d.strip())
+    bad = [d for d in kv_dtypes if d not in KV_CACHE_DTYPES]
+    if bad:
+        raise ValueError(f"unknown KV cache dtype {bad[0]!r} in --kv-dtypes; choose from {', '.join(KV_CACHE_DTYPES)}")
     records, text = run_eval(args.model, args.head_layout, task_names, lengths, args.seeds,
                              args.baselines, args.json, args.plot_dir, args.rebased,
-                             engine_options(args, exclude=("model", "head_layout")))
+                             engine_options(args, exclude=("model", "head_layout")), kv_dtypes)
     print(text)
     return 0
 

@@ -36,9 +36,11 @@ def equal_bytes_window(layout: HeadLayout, length: int, dtype: torch.dtype = tor
 
 
 def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir,
-             rebased: bool = False, engine_options: dict | None = None):
+             rebased: bool = False, engine_options: dict | None = None, kv_dtypes: tuple[str, ...] = ()):
     """rebased: also run every layout with window heads under StreamingLLM-style re-based
     rotary positions (named "<layout>+rebased"), to measure that choice.
+    kv_dtypes: also run every layout with each of these KV cache dtypes (named
+    "<layout>+<dtype>"); agreement stays measured against `full` in the options' dtype.
     engine_options: keyword arguments of every LLM built (default EVAL_ENGINE_OPTIONS)."""
     specs = list(layout_specs or [])
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
@@ -54,6 +56,8 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
     for spec in specs:
         lay = resolve_layout(spec, shape, model_name)
         plan.append((_name(spec, lay), lay, lengths, {}))
+        for dt in kv_dtypes:
+            plan.append((f"{_name(spec, lay)}+{dt}", lay, lengths, {"kv_cache_dtype": dt}))
         if rebased and lay.full_fraction < 1:
             plan.append((_name(spec, lay) + "+rebased", lay, lengths, {"window_positions": "rebased"}))
         if split is None and 0 < lay.full_fraction < 1:

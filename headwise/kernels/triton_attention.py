@@ -10,6 +10,11 @@ Shapes (per layer, per head class; D = head dim, g = query heads per KV head):
   decode      q [B, heads * g, D] -> [B, heads * g, D]
   prefill     q [c, heads * g, D] -> [c, heads * g, D] (one chunk of one sequence)
 
+Quantized caches (int8, fp8) come with scales [same leading shape] (x ~ q * scale, one
+per token and head); the kernels dequantize each tile as they load it (QUANT), into the
+query's dtype, never a dequantized copy of the cache. A plain cache in another float
+dtype than the query is converted in the load too.
+
 CPU tests run these kernels through Triton's interpreter (TRITON_INTERPRET=1).
 """
 from __future__ import annotations
@@ -63,6 +68,16 @@ def _online_update(q, k, v, valid, m, l, acc, scale, IEEE: tl.constexpr, UPCAST:
 
 
 @triton.jit
+def _load_kv(X, XS, Q, off, soff, lmask, kmask, QUANT: tl.constexpr):
+    # A [N, BD] tile of K or V at element offsets off (scales at soff [N]), in Q's dtype.
+    x = tl.load(X + off, mask=lmask, other=0)
+    if QUANT:
+        s = tl.load(XS + soff, mask=kmask, other=0)
+        return (x.to(tl.float32) * s.to(tl.float32)[:, None]).to(Q.dtype.element_ty)
+    return x.to(Q.dtype.element_ty)
+
+
+@triton.jit
 def _group_query(Q, sq_b, sq_h, b, h, G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr,
                  BD: tl.constexpr):
     # Decode: the g query heads of KV head h for sequence b, padded to G_PAD >= 16 rows
@@ -78,11 +93,12 @@ def _group_query(Q, sq_b, sq_h, b, h, G: tl.constexpr, G_PAD: tl.constexpr, D: t
 
 
 @triton.jit
-def _paged_decode_kernel(Q, K, V, TABLES, LENS, ACC, LSE,
-                         sq_b, sq_h, sk_h, sk_s, st_b, sa_b, sa_h, sa_s, sl_b, sl_h,
+def _paged_decode_kernel(Q, K, V, KS, VS, TABLES, LENS, ACC, LSE,
+                         sq_b, sq_h, sk_h, sk_s, ss_h, ss_s, st_b, sa_b, sa_h, sa_s, sl_b, sl_h,
                          scale, split_len,
                          G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                         BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                         BS: tl.constexpr, BN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+                         QUANT: tl.constexpr):
     # Program (sequence b, KV head h, split sp): keys [sp * split_len, ...) of sequence b.
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -100,9 +116,10 @@ def _paged_decode_kernel(Q, K, V, TABLES, LENS, ACC, LSE,
         blk = tl.load(TABLES + b * st_b + kpos // BS, mask=kmask, other=0)
         slot = blk.to(tl.int64) * BS + kpos % BS
         off = h * sk_h + slot[:, None] * sk_s + d[None, :]
+        soff = h * ss_h + slot * ss_s
         lmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(K + off, mask=lmask, other=0.0)
-        v = tl.load(V + off, mask=lmask, other=0.0)
+        k = _load_kv(K, KS, Q, off, soff, lmask, kmask, QUANT)
+        v = _load_kv(V, VS, Q, off, soff, lmask, kmask, QUANT)
         m, l, acc = _online_update(q, k, v, kmask[None, :], m, l, acc, scale, IEEE, UPCAST)
     # Empty split (lo >= L): l = 0, lse = -inf, so the combine step gives it weight 0.
     out = acc / tl.where(l == 0.0, 1.0, l)[:, None]
@@ -112,16 +129,18 @@ def _paged_decode_kernel(Q, K, V, TABLES, LENS, ACC, LSE,
 
 
 @triton.jit
-def _ring_decode_kernel(Q, K, V, RSLOT, LENS, OUT,
-                        sq_b, sq_h, sk_slot, sk_h, sk_r, so_b, so_h, R, scale,
+def _ring_decode_kernel(Q, K, V, KS, VS, RSLOT, LENS, OUT,
+                        sq_b, sq_h, sk_slot, sk_h, sk_r, ss_slot, ss_h, ss_r, so_b, so_h, R, scale,
                         G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
-                        BN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                        BN: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     # Program (sequence b, window head h). A ring slot is filled in order until all
     # sink + window entries hold a token, so the valid entries are [0, min(len, R)).
     b = tl.program_id(0)
     h = tl.program_id(1)
     L = tl.minimum(tl.load(LENS + b), R)
-    base = tl.load(RSLOT + b).to(tl.int64) * sk_slot + h * sk_h
+    rs = tl.load(RSLOT + b).to(tl.int64)
+    base = rs * sk_slot + h * sk_h
+    sbase = rs * ss_slot + h * ss_h
     qh, rmask, d, dmask, q = _group_query(Q, sq_b, sq_h, b, h, G, G_PAD, D, BD)
     m = tl.full([G_PAD], float("-inf"), tl.float32)
     l = tl.zeros([G_PAD], tl.float32)
@@ -131,8 +150,8 @@ def _ring_decode_kernel(Q, K, V, RSLOT, LENS, OUT,
         kmask = idx < L
         off = base + idx[:, None] * sk_r + d[None, :]
         lmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(K + off, mask=lmask, other=0.0)
-        v = tl.load(V + off, mask=lmask, other=0.0)
+        k = _load_kv(K, KS, Q, off, sbase + idx * ss_r, lmask, kmask, QUANT)
+        v = _load_kv(V, VS, Q, off, sbase + idx * ss_r, lmask, kmask, QUANT)
         m, l, acc = _online_update(q, k, v, kmask[None, :], m, l, acc, scale, IEEE, UPCAST)
     out = acc / l[:, None]
     tl.store(OUT + b * so_b + qh[:, None] * so_h + d[None, :], out.to(OUT.dtype.element_ty),
@@ -163,11 +182,11 @@ def _store_rows(OUT, so_t, so_h, qi, qh, pmask, d, dmask, acc, l):
 
 
 @triton.jit
-def _paged_prefill_kernel(Q, K, V, TABLE, OUT,
-                          sq_t, sq_h, sk_h, sk_s, so_t, so_h, start, c, scale,
+def _paged_prefill_kernel(Q, K, V, KS, VS, TABLE, OUT,
+                          sq_t, sq_h, sk_h, sk_s, ss_h, ss_s, so_t, so_h, start, c, scale,
                           G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                           BS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                          IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                          IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     # Program (row block, full KV head h). Causal: keys stop at the block's last
     # query, and the chunk's own keys are already in the pool.
     pid = tl.program_id(0)
@@ -184,21 +203,22 @@ def _paged_prefill_kernel(Q, K, V, TABLE, OUT,
         blk = tl.load(TABLE + kpos // BS, mask=kmask, other=0)
         slot = blk.to(tl.int64) * BS + kpos % BS
         off = h * sk_h + slot[:, None] * sk_s + d[None, :]
+        soff = h * ss_h + slot * ss_s
         lmask = kmask[:, None] & dmask[None, :]
-        k = tl.load(K + off, mask=lmask, other=0.0)
-        v = tl.load(V + off, mask=lmask, other=0.0)
+        k = _load_kv(K, KS, Q, off, soff, lmask, kmask, QUANT)
+        v = _load_kv(V, VS, Q, off, soff, lmask, kmask, QUANT)
         valid = kmask[None, :] & (kpos[None, :] <= qpos[:, None])
         m, l, acc = _online_update(q, k, v, valid, m, l, acc, scale, IEEE, UPCAST)
     _store_rows(OUT, so_t, so_h, qi, qh, pmask, d, dmask, acc, l)
 
 
 @triton.jit
-def _window_prefill_kernel(Q, K, V, KR, VR, RPOS, OUT,
-                           sq_t, sq_h, sk_t, sk_h, sr_h, sr_r, so_t, so_h,
+def _window_prefill_kernel(Q, K, V, KR, VR, KRS, VRS, RPOS, OUT,
+                           sq_t, sq_h, sk_t, sk_h, sr_h, sr_r, ss_h, ss_r, so_t, so_h,
                            start, c, n_sc, R, sink, W, scale,
                            G: tl.constexpr, D: tl.constexpr, BD: tl.constexpr,
                            BM: tl.constexpr, BN: tl.constexpr, HAS_RING: tl.constexpr,
-                           IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                           IEEE: tl.constexpr, UPCAST: tl.constexpr, QUANT: tl.constexpr):
     # Program (row block, window KV head h). Key p is visible to query q when
     # p <= q and (p < sink or p > q - W). Three sources, disjoint, each loaded only
     # where it can be visible: the ring (context before the chunk), the chunk's sink
@@ -219,8 +239,8 @@ def _window_prefill_kernel(Q, K, V, KR, VR, RPOS, OUT,
             kp = tl.load(RPOS + idx, mask=imask, other=-1)
             off = h * sr_h + idx[:, None] * sr_r + d[None, :]
             lmask = imask[:, None] & dmask[None, :]
-            k = tl.load(KR + off, mask=lmask, other=0.0)
-            v = tl.load(VR + off, mask=lmask, other=0.0)
+            k = _load_kv(KR, KRS, Q, off, h * ss_h + idx * ss_r, lmask, imask, QUANT)
+            v = _load_kv(VR, VRS, Q, off, h * ss_h + idx * ss_r, lmask, imask, QUANT)
             valid = (kp[None, :] >= 0) & ((kp[None, :] < sink) | (kp[None, :] > qpos[:, None] - W))
             m, l, acc = _online_update(q, k, v, valid, m, l, acc, scale, IEEE, UPCAST)
     for n0 in range(0, n_sc, BN):
@@ -258,13 +278,22 @@ def _dot_mode(t: torch.Tensor) -> dict[str, bool]:
     return {"IEEE": t.dtype == torch.float32 or upcast, "UPCAST": upcast}
 
 
+def _scales(k_scale: torch.Tensor | None, v_scale: torch.Tensor | None, like: torch.Tensor):
+    """Scale pointers and strides for the kernels; unquantized caches pass a dummy."""
+    if k_scale is None:
+        return like, like, (0,) * (like.dim() - 1), False
+    return k_scale, v_scale, k_scale.stride(), True
+
+
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, lens: torch.Tensor, block_size: int,
-                 scale: float, num_splits: int | None = None) -> torch.Tensor:
+                 scale: float, num_splits: int | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of full heads over their pages, read through block tables.
 
-    q [B, nf*g, D]; k_cache, v_cache [nf, slots, D] (unit stride over D);
-    block_tables [B, max_blocks] int32; lens [B] tokens including the new one."""
+    q [B, nf*g, D]; k_cache, v_cache [nf, slots, D] (unit stride over D), quantized with
+    k_scale, v_scale [nf, slots]; block_tables [B, max_blocks] int32; lens [B] tokens
+    including the new one."""
     B, H, D = q.shape
     nf = k_cache.shape[0]
     G = H // nf
@@ -275,12 +304,13 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     num_splits = -(-max_len // split_len)
     acc = torch.empty(B, H, num_splits, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, H, num_splits, dtype=torch.float32, device=q.device)
+    ks, vs, ss, quant = _scales(k_scale, v_scale, k_cache)
     _paged_decode_kernel[(B, nf, num_splits)](
-        q, k_cache, v_cache, block_tables, lens, acc, lse,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), block_tables.stride(0),
+        q, k_cache, v_cache, ks, vs, block_tables, lens, acc, lse,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), *ss, block_tables.stride(0),
         acc.stride(0), acc.stride(1), acc.stride(2), lse.stride(0), lse.stride(1),
         scale, split_len,
-        G=G, G_PAD=_pad(G), D=D, BD=_pad(D), BS=block_size, BN=BLOCK_N, **_dot_mode(q))
+        G=G, G_PAD=_pad(G), D=D, BD=_pad(D), BS=block_size, BN=BLOCK_N, QUANT=quant, **_dot_mode(q))
     if num_splits == 1:
         return acc[:, :, 0].to(q.dtype)
     # Combine splits: weight each by its share of the softmax mass, exp(lse_i) / sum.
@@ -289,58 +319,67 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
 
 def ring_decode(q: torch.Tensor, k_ring: torch.Tensor, v_ring: torch.Tensor,
-                ring_slots: torch.Tensor, lens: torch.Tensor, scale: float) -> torch.Tensor:
+                ring_slots: torch.Tensor, lens: torch.Tensor, scale: float,
+                k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention of one window group over its rings.
 
-    q [B, n*g, D]; k_ring, v_ring [S, n, R, D]; ring_slots [B]; lens [B] (incl. new token)."""
+    q [B, n*g, D]; k_ring, v_ring [S, n, R, D] (quantized: scales [S, n, R]);
+    ring_slots [B]; lens [B] (incl. new token)."""
     B, H, D = q.shape
     n, R = k_ring.shape[1], k_ring.shape[2]
     G = H // n
     out = torch.empty_like(q)
+    ks, vs, ss, quant = _scales(k_scale, v_scale, k_ring)
     _ring_decode_kernel[(B, n)](
-        q, k_ring, v_ring, ring_slots, lens, out,
-        q.stride(0), q.stride(1), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2),
+        q, k_ring, v_ring, ks, vs, ring_slots, lens, out,
+        q.stride(0), q.stride(1), k_ring.stride(0), k_ring.stride(1), k_ring.stride(2), *ss,
         out.stride(0), out.stride(1), R, scale,
-        G=G, G_PAD=_pad(G), D=D, BD=_pad(D), BN=BLOCK_N, **_dot_mode(q))
+        G=G, G_PAD=_pad(G), D=D, BD=_pad(D), BN=BLOCK_N, QUANT=quant, **_dot_mode(q))
     return out
 
 
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, start: int, block_size: int,
-                  scale: float) -> torch.Tensor:
+                  scale: float, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Causal prefill attention of full heads for one chunk at positions
     [start, start + c), keys read from the pool (the chunk's keys already written).
 
-    q [c, nf*g, D]; k_cache, v_cache [nf, slots, D]; block_table [num_blocks] int32."""
+    q [c, nf*g, D]; k_cache, v_cache [nf, slots, D] (quantized: scales [nf, slots]);
+    block_table [num_blocks] int32."""
     c, H, D = q.shape
     nf = k_cache.shape[0]
     G = H // nf
     out = torch.empty_like(q)
     grid = (triton.cdiv(c * G, BLOCK_M), nf)
+    ks, vs, ss, quant = _scales(k_scale, v_scale, k_cache)
     _paged_prefill_kernel[grid](
-        q, k_cache, v_cache, block_table, out,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, ks, vs, block_table, out,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), *ss,
         out.stride(0), out.stride(1), start, c, scale,
-        G=G, D=D, BD=_pad(D), BS=block_size, BM=BLOCK_M, BN=BLOCK_N, **_dot_mode(q))
+        G=G, D=D, BD=_pad(D), BS=block_size, BM=BLOCK_M, BN=BLOCK_N, QUANT=quant, **_dot_mode(q))
     return out
 
 
 def window_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    k_ring: torch.Tensor, v_ring: torch.Tensor, ring_pos: torch.Tensor,
-                   start: int, sink: int, window: int, scale: float) -> torch.Tensor:
+                   start: int, sink: int, window: int, scale: float,
+                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Sink + window prefill attention of one window group for one chunk.
 
-    q [c, n*g, D]; k, v [c, n, D] (the chunk); k_ring, v_ring [n, R, D], this sequence's
-    ring before the chunk; ring_pos [R] position held by each entry (-1: empty)."""
+    q [c, n*g, D]; k, v [c, n, D] (the chunk, in q's dtype); k_ring, v_ring [n, R, D],
+    this sequence's ring before the chunk (quantized: scales [n, R]); ring_pos [R]
+    position held by each entry (-1: empty)."""
     c, H, D = q.shape
     n, R = k.shape[1], k_ring.shape[1]
     G = H // n
     out = torch.empty_like(q)
     n_sc = max(0, min(sink - start, c))
     grid = (triton.cdiv(c * G, BLOCK_M), n)
+    ks, vs, ss, quant = _scales(k_scale, v_scale, k_ring)
     _window_prefill_kernel[grid](
-        q, k, v, k_ring, v_ring, ring_pos, out,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k_ring.stride(0), k_ring.stride(1),
+        q, k, v, k_ring, v_ring, ks, vs, ring_pos, out,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), k_ring.stride(0), k_ring.stride(1), *ss,
         out.stride(0), out.stride(1), start, c, n_sc, R, sink, window, scale,
-        G=G, D=D, BD=_pad(D), BM=BLOCK_M, BN=BLOCK_N, HAS_RING=start > 0, **_dot_mode(q))
+        G=G, D=D, BD=_pad(D), BM=BLOCK_M, BN=BLOCK_N, HAS_RING=start > 0, QUANT=quant, **_dot_mode(q))
     return out

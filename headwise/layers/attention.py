@@ -5,7 +5,9 @@ Within a layer the KV heads are ordered full heads first, then window heads grou
 (see headwise.models.head_order), so every class is a contiguous slice.
 Full heads read and write paged blocks; window heads read and write a fixed-size ring.
 The layer writes the cache; the attention itself is the bound backend's (one function
-per head class and operation, see layers.torch_attention).
+per head class and operation, see layers.torch_attention). Cache views are KVTensors
+(layers.kv_tensor): a quantized class's K/V are written once, quantized, and the step's
+own K/V are attended in their round-tripped form, as later reads will see them.
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import torch
 from torch import nn
 
 from headwise.layers.context import get_context
+from headwise.layers.kv_tensor import KVTensor, take
 from headwise.layers.rotary import rotate
 
 
@@ -26,8 +29,8 @@ class WindowGroup:
     kv_end: int
     sink: int
     window: int
-    k_ring: torch.Tensor   # [num_ring_slots, n_heads, sink + window, D] view
-    v_ring: torch.Tensor
+    k_ring: KVTensor       # [num_ring_slots, n_heads, sink + window, D] view
+    v_ring: KVTensor
 
 
 class HeadSplitAttention(nn.Module):
@@ -40,8 +43,8 @@ class HeadSplitAttention(nn.Module):
         self.scale = head_dim ** -0.5
         # Bound by the model runner; the layer never allocates cache memory.
         self.num_full = num_kv_heads
-        self.k_full: torch.Tensor | None = None  # [num_full, num_slots, D]
-        self.v_full: torch.Tensor | None = None
+        self.k_full: KVTensor | None = None  # [num_full, num_slots, D]
+        self.v_full: KVTensor | None = None
         self.window_groups: list[WindowGroup] = []
         self.backend: ModuleType | None = None
         # Optional callback (q, k, v) used by calibration to read a layer's heads.
@@ -53,6 +56,10 @@ class HeadSplitAttention(nn.Module):
         self.k_full, self.v_full = k_full, v_full
         self.window_groups = window_groups
         self.backend = backend
+        caches = ([k_full] if num_full else []) + [wg.k_ring for wg in window_groups]
+        # When every class of the layer stores K/V alike, the step's K/V are encoded
+        # once for all heads (a quantized step is a dozen small ops per call).
+        self._shared = caches[0] if all(c.format == caches[0].format for c in caches) else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
@@ -62,18 +69,30 @@ class HeadSplitAttention(nn.Module):
         out = torch.empty_like(q)
         g = self.group
         nf = self.num_full
+        # Stored forms (values, scales) of the step's K and V, per class.
+        shared = None if self._shared is None else self._shared.encode_kv(k, v)
+
+        def forms(cache: KVTensor, heads: slice):
+            if shared is None:
+                return cache.encode_kv(k[:, heads], v[:, heads])
+            return tuple(take(f, lambda t: t[:, heads]) for f in shared)
+
         if nf:
-            self._full(ctx, q[:, : nf * g], k[:, :nf], v[:, :nf], out[:, : nf * g])
+            self._full(ctx, q[:, : nf * g], *forms(self.k_full, slice(0, nf)), out[:, : nf * g])
         for wg in self.window_groups:
             qs = slice(wg.kv_start * g, wg.kv_end * g)
             ks = slice(wg.kv_start, wg.kv_end)
-            self._window(ctx, wg, q[:, qs], k[:, ks], v[:, ks], out[:, qs])
+            self._window(ctx, wg, q[:, qs], *forms(wg.k_ring, ks), out[:, qs])
         return out
 
-    def _full(self, ctx, q, k, v, out) -> None:
+    def _full(self, ctx, q, kst, vst, out) -> None:
+        # kst, vst: stored forms of the step's K/V [T, nf, D] (+ scales [T, nf]); written
+        # as they are, attended as reads will return them.
         kc, vc, be = self.k_full, self.v_full, self.backend
-        kc[:, ctx.full_slots] = k.transpose(0, 1)
-        vc[:, ctx.full_slots] = v.transpose(0, 1)
+        at = (slice(None), ctx.full_slots)
+        kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
+        vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
+        k, v = kc.decode(*kst), vc.decode(*vst)
         B = ctx.num_decode
         if B:
             out[:B] = be.full_decode(q[:B], kc, vc, ctx, self.scale)
@@ -81,15 +100,17 @@ class HeadSplitAttention(nn.Module):
             s = ch.rows
             out[s] = be.full_prefill(q[s], k[s], v[s], kc, vc, ctx, ch, self.scale)
 
-    def _window(self, ctx, wg: WindowGroup, q, k, v, out) -> None:
+    def _window(self, ctx, wg: WindowGroup, q, kst, vst, out) -> None:
         be, kind = self.backend, (wg.sink, wg.window)
         sink_rope = ctx.sink_rope[kind] if ctx.sink_rope and wg.sink else None
         B = ctx.num_decode
+        k, v = wg.k_ring.decode(*kst), wg.v_ring.decode(*vst)
         if B:
             ridx, slots = ctx.decode_ring_index[kind], ctx.decode_ring_slots
             # The new token overwrites position p - window, which it no longer sees.
-            wg.k_ring[slots, :, ridx] = k[:B]
-            wg.v_ring[slots, :, ridx] = v[:B]
+            at = (slots, slice(None), ridx)
+            wg.k_ring.put(at, *take(kst, lambda t: t[:B]))
+            wg.v_ring.put(at, *take(vst, lambda t: t[:B]))
             q_sink = None if sink_rope is None else rotate(q[:B], sink_rope[0][:B], sink_rope[1][:B])
             out[:B] = be.window_decode(q[:B], wg, ctx, q_sink, self.scale)
         for ch in ctx.prefills:
@@ -99,5 +120,10 @@ class HeadSplitAttention(nn.Module):
             # Written after attention: earlier queries of the chunk still need the
             # ring's older entries. Only tokens that survive the chunk are stored.
             geo = ch.window[kind]
-            wg.k_ring[ch.ring_slot, :, geo.write_index] = k[s][geo.write_rows].transpose(0, 1)
-            wg.v_ring[ch.ring_slot, :, geo.write_index] = v[s][geo.write_rows].transpose(0, 1)
+            at = (ch.ring_slot, slice(None), geo.write_index)
+
+            def kept(t: torch.Tensor) -> torch.Tensor:  # [c, n, ...] -> [n, kept, ...]
+                return t[s][geo.write_rows].transpose(0, 1)
+
+            wg.k_ring.put(at, *take(kst, kept))
+            wg.v_ring.put(at, *take(vst, kept))

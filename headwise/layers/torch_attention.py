@@ -7,7 +7,8 @@ backend's (headwise.layers.triton_backend):
     window_decode(q, wg, ctx, q_sink, scale)                    -> [B, n*g, D]
     window_prefill(q, k, v, wg, ctx, chunk, q_sink, scale)      -> [c, n*g, D]
 The layer has already written the step's full-head K/V into the pool and the decode
-tokens' window-head K/V into the rings; prefill ring writes follow the call.
+tokens' window-head K/V into the rings; prefill ring writes follow the call. Caches are
+KVTensors: reads of a quantized class dequantize only the sequence or group at hand.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch.nn.functional as F
 
 from headwise.layers.attention import WindowGroup
 from headwise.layers.context import PrefillChunk, StepContext
+from headwise.layers.kv_tensor import KVTensor
 
 NAME = "torch"
 # Full heads read slot runs and gathered slots; window heads read band masks.
@@ -23,28 +25,32 @@ PAGED = False
 
 
 # ---- full heads: paged blocks -----------------------------------------------------
-def full_decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
+def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
     # q: [B, nf*g, D]; k_cache, v_cache: [nf, slots, D]. A sequence whose slots form one
     # run attends over a view of the pool (no copy); scattered runs are concatenated
     # first. Its g query heads per KV head are the query rows of one fused SDPA call (in
-    # bfloat16 ~3x faster on CPU than matmul + softmax + matmul).
+    # bfloat16 ~3x faster on CPU than matmul + softmax + matmul). A quantized pool is
+    # attended in its stored form (scaled_attention, float32).
     B, H, D = q.shape
     nf = k_cache.shape[0]
     out = torch.empty_like(q)
     for i in range(B):
         r = ctx.decode_runs[i]
         if len(r) == 1:
-            a, n = r[0]
-            k, v = k_cache[:, a:a + n], v_cache[:, a:a + n]  # [nf, L, D]
+            at = (slice(None), slice(r[0][0], r[0][0] + r[0][1]))
+            k, v = k_cache[at], v_cache[at]  # [nf, L, D] views
         else:
-            k = torch.cat([k_cache[:, a:a + n] for a, n in r], 1)
-            v = torch.cat([v_cache[:, a:a + n] for a, n in r], 1)
-        o = F.scaled_dot_product_attention(q[i].view(1, nf, H // nf, D), k[None], v[None], scale=scale)
+            k, v = (KVTensor.cat([c[:, a:a + n] for a, n in r], 1) for c in (k_cache, v_cache))
+        qi = q[i].view(nf, H // nf, D)
+        if k.quantized:
+            out[i] = scaled_attention(qi, k, v, scale).view(H, D)
+            continue
+        o = F.scaled_dot_product_attention(qi[None], k.load()[None], v.load()[None], scale=scale)
         out[i] = o.view(H, D)
     return out
 
 
-def full_prefill(q, k, v, k_cache, v_cache, ctx: StepContext, ch: PrefillChunk,
+def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
                  scale: float) -> torch.Tensor:
     # q: [c, nf*g, D]; k, v: [c, nf, D], the chunk's own keys (already in the pool too).
     qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, c, D]
@@ -53,8 +59,9 @@ def full_prefill(q, k, v, k_cache, v_cache, ctx: StepContext, ch: PrefillChunk,
         vv = v.transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
     else:
-        kk = k_cache.index_select(1, ch.slots).unsqueeze(0)  # [1, nf, start + c, D]
-        vv = v_cache.index_select(1, ch.slots).unsqueeze(0)
+        at = (slice(None), ch.slots)
+        kk = k_cache.load(at).unsqueeze(0)  # [1, nf, start + c, D]
+        vv = v_cache.load(at).unsqueeze(0)
         qpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
         mask = torch.arange(ch.start + ch.length, device=q.device)[None, :] <= qpos[:, None]
         o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
@@ -66,6 +73,8 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
                   scale: float) -> torch.Tensor:
     # q: [B, n*g, D]. When most ring slots are busy, attend over every slot of the group
     # in one batched matmul on the ring itself (no copy); otherwise gather the B rings.
+    # Quantized rings are attended in their stored form (scaled_attention); a ring in
+    # another float dtype is gathered and converted.
     # q_sink: the query for the sink entries under re-based positions (else None).
     slots, lens = ctx.decode_ring_slots, ctx.decode_lens
     B, H, D = q.shape
@@ -76,10 +85,11 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
         out = torch.empty_like(q)
         for i, s in enumerate(slots.tolist()):
             out[i] = F.scaled_dot_product_attention(
-                q[i].view(1, n, H // n, D), wg.k_ring[s:s + 1], wg.v_ring[s:s + 1], scale=scale).view(H, D)
+                q[i].view(1, n, H // n, D), wg.k_ring.load(slice(s, s + 1)), wg.v_ring.load(slice(s, s + 1)),
+                scale=scale).view(H, D)
         return out
     qs = q_sink
-    if 2 * B >= S:
+    if 2 * B >= S and (wg.k_ring.plain or wg.k_ring.quantized):
         qa = q.new_zeros(S, H, D)
         qa[slots] = q
         if q_sink is not None:
@@ -90,15 +100,42 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
         kk, vv, rows = wg.k_ring, wg.v_ring, slots
     else:
         qa, la = q, lens
-        kk, vv, rows = wg.k_ring.index_select(0, slots), wg.v_ring.index_select(0, slots), None
+        kk, vv, rows = wg.k_ring[slots], wg.v_ring[slots], None
     valid = torch.arange(R, device=q.device)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
-    s = torch.matmul(qa.view(-1, n, H // n, D), kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
-    if qs is not None:  # ring entries [0, sink) hold the sink tokens
+    qv = qa.view(-1, n, H // n, D)
+    qsv = None if qs is None else (qs.view(-1, n, H // n, D), wg.sink)  # ring entries [0, sink): sinks
+    if kk.quantized:
+        o = scaled_attention(qv, kk, vv, scale, valid, qsv).reshape(-1, H, D)
+        return o if rows is None else o[rows]
+    kk, vv = kk.load(), vv.load()
+    s = torch.matmul(qv, kk.transpose(-1, -2)).float() * scale  # [*, n, g, R]
+    if qsv is not None:
         sk = wg.sink
-        s[..., :sk] = torch.matmul(qs.view(-1, n, H // n, D), kk[:, :, :sk].transpose(-1, -2)).float() * scale
+        s[..., :sk] = torch.matmul(qsv[0], kk[:, :, :sk].transpose(-1, -2)).float() * scale
     s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
     o = torch.matmul(torch.softmax(s, dim=-1).to(vv.dtype), vv).reshape(-1, H, D)
     return o if rows is None else o[rows]
+
+
+def scaled_attention(q, k: KVTensor, v: KVTensor, scale: float, valid: torch.Tensor | None = None,
+                     q_sink=None) -> torch.Tensor:
+    """Decode attention over quantized K/V in their stored form: per-token scales multiply
+    the scores and the probabilities instead of the values, so no scaled copy of K or V
+    is written (int8 and fp8 convert to float32 exactly). All in float32: the scores are
+    as exact as SDPA's, and float32 matmuls of a length that changes every step run
+    without the ~0.5 ms oneDNN spends on each new bfloat16 matmul shape on this CPU.
+    q [*, n, g, D]; k, v [*, n, L, D] (+ scales [*, n, L]); valid [*, L] or None;
+    q_sink (query for the entries [0, sink), sink) or None -> [*, n, g, D] in q's dtype."""
+    kq, vq = k.data.float(), v.data.float()
+    kscale = (k.scale.float() * scale).unsqueeze(-2)  # [*, n, 1, L]
+    s = torch.matmul(q.float(), kq.transpose(-1, -2)).mul_(kscale)  # [*, n, g, L]
+    if q_sink is not None:
+        qs, sk = q_sink
+        s[..., :sk] = torch.matmul(qs.float(), kq[..., :sk, :].transpose(-1, -2)) * kscale[..., :sk]
+    if valid is not None:
+        s = s.masked_fill(~valid[:, None, None, :], float("-inf"))
+    p = torch.softmax(s, dim=-1).mul_(v.scale.float().unsqueeze(-2))
+    return torch.matmul(p, vq).to(q.dtype)
 
 
 def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
@@ -113,7 +150,7 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     #   sinks: positions s < sink with s <= p - W (the sinks the band has left).
     c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
     geo = ch.window[(sink, W)]
-    k_ring, v_ring = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D]
+    k_ring, v_ring = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D] KVTensors
     n, D = k.shape[1], k.shape[2]
     g = q.shape[1] // n
     q0 = geo.causal_rows
@@ -136,8 +173,8 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     vp = v.new_zeros(n, W + nb * Bq, D)
     lo = max(0, base)
     if lo < start:  # earlier context: the ring holds every position in [lo, start)
-        kp[:, lo - base:start - base] = k_ring[:, geo.ring_read]
-        vp[:, lo - base:start - base] = v_ring[:, geo.ring_read]
+        kp[:, lo - base:start - base] = k_ring.load((slice(None), geo.ring_read))
+        vp[:, lo - base:start - base] = v_ring.load((slice(None), geo.ring_read))
     a = max(lo, start)  # first position read from the chunk itself
     kp[:, a - base:start + c - base] = k[a - start:].transpose(0, 1)
     vp[:, a - base:start + c - base] = v[a - start:].transpose(0, 1)
@@ -163,8 +200,9 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     cq = sink_bias.shape[-2] // g
     r0 = c2 - cq  # first band row with p - W >= 0: it sees sink 0 outside its band
     n_ring = min(ns, start)  # sinks before the chunk are in the ring, the rest in k
-    sk = torch.cat([k_ring[:, :n_ring], k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
-    sv = torch.cat([v_ring[:, :n_ring], v[: ns - n_ring].transpose(0, 1)], 1)
+    sinks = (slice(None), slice(0, n_ring))
+    sk = torch.cat([k_ring.load(sinks), k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
+    sv = torch.cat([v_ring.load(sinks), v[: ns - n_ring].transpose(0, 1)], 1)
     qs = (q if q_sink is None else q_sink)[q0 + r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
     o2, l2 = attend(qs, sk[:, None], sv[:, None], sink_bias, scale)
     o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)

@@ -11,28 +11,32 @@ import torch
 from headwise.kernels import triton_attention as K
 from headwise.layers.attention import WindowGroup
 from headwise.layers.context import PrefillChunk, StepContext
+from headwise.layers.kv_tensor import KVTensor
 
 NAME = "triton"
 # Full heads read pages through block tables; window heads read ring positions.
 PAGED = True
 
 
-def full_decode(q, k_cache, v_cache, ctx: StepContext, scale: float) -> torch.Tensor:
-    return K.paged_decode(q, k_cache, v_cache, ctx.decode_block_tables, ctx.decode_lens,
-                          ctx.block_size, scale)
+def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
+    return K.paged_decode(q, k_cache.data, v_cache.data, ctx.decode_block_tables, ctx.decode_lens,
+                          ctx.block_size, scale, k_scale=k_cache.scale, v_scale=v_cache.scale)
 
 
-def full_prefill(q, k, v, k_cache, v_cache, ctx: StepContext, ch: PrefillChunk,
+def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
                  scale: float) -> torch.Tensor:
-    return K.paged_prefill(q, k_cache, v_cache, ch.block_table, ch.start, ctx.block_size, scale)
+    return K.paged_prefill(q, k_cache.data, v_cache.data, ch.block_table, ch.start, ctx.block_size, scale,
+                           k_scale=k_cache.scale, v_scale=v_cache.scale)
 
 
 def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink, scale: float) -> torch.Tensor:
-    return K.ring_decode(q, wg.k_ring, wg.v_ring, ctx.decode_ring_slots, ctx.decode_lens, scale)
+    return K.ring_decode(q, wg.k_ring.data, wg.v_ring.data, ctx.decode_ring_slots, ctx.decode_lens, scale,
+                         k_scale=wg.k_ring.scale, v_scale=wg.v_ring.scale)
 
 
 def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
                    q_sink, scale: float) -> torch.Tensor:
     geo = ch.window[(wg.sink, wg.window)]
-    return K.window_prefill(q, k, v, wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot], geo.ring_pos,
-                            ch.start, wg.sink, wg.window, scale)
+    kr, vr = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]
+    return K.window_prefill(q, k, v, kr.data, vr.data, geo.ring_pos, ch.start, wg.sink, wg.window, scale,
+                            k_scale=kr.scale, v_scale=vr.scale)

@@ -54,6 +54,8 @@ class AsyncEngine:
         self.engine = engine
         self.max_queue = max_queue
         self.metrics = Metrics(engine.model_name)
+        geo = engine.cache.geometry
+        self.metrics.set_kv_format((geo.full, geo.window))
         self._commands: queue.Queue = queue.Queue()
         self._handles: dict[int, _Handle] = {}
         self._wake = threading.Event()

@@ -35,6 +35,9 @@ class Metrics:
                                   "Bytes of cached prefixes no request uses (reclaimable), per head class",
                                   lbl + ["head_class"], registry=r)
         self._prefix_seen = (0, 0)
+        self.kv_format = Gauge("headwise:kv_cache_bytes_per_token", "KV bytes one token takes in one KV head of "
+                               "a head class (K and V, scales included), by stored dtype",
+                               lbl + ["head_class", "kv_dtype"], registry=r)
         # KV offload directory (disk tier), when the engine has one.
         self.tier_bytes = Gauge("headwise:kv_offload_bytes", "Bytes of cached prefixes in the KV offload directory",
                                 lbl, registry=r)
@@ -53,6 +56,11 @@ class Metrics:
                                     buckets=_IO_BUCKETS, registry=r)
         self._tier_seen = (0, 0)
         self._served_seen = {"host": 0, "disk": 0}
+
+    def set_kv_format(self, specs) -> None:
+        """specs: the cache geometry's KVClassSpec of each head class."""
+        for spec in specs:
+            self.kv_format.labels(self.model, spec.name, spec.label).set(spec.bytes_per_head_token)
 
     def update_state(self, running: int, waiting: int, usage: dict, prefix) -> None:
         """prefix: the cache's PrefixStats (cumulative queried and hit tokens)."""

@@ -107,6 +107,26 @@ def release_freed_heap() -> bool:
     return True
 
 
+# glibc mallopt parameters
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+def keep_freed_heap(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 << 20) -> bool:
+    """Let glibc recycle the memory of a step's temporary tensors instead of mapping
+    fresh pages for each one. By default an allocation of a few MiB (a dequantized
+    sequence of int8 KV, a gathered ring) may get new pages from the OS, and their page
+    faults cost more than the work on them: dequantizing one 8K-token head took 596 us
+    that way against 75 us on recycled memory (this machine). Allocations below
+    `mmap_threshold` come from the heap, and freed heap memory is kept up to
+    `trim_threshold`. Call after release_freed_heap. False where the C library has no
+    mallopt (not glibc)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
+
+
 def rebuild_rotary(model: CausalLM, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
     """Rotary tables of a model built on the meta device, made for real on `device`."""
     rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
