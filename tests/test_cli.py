@@ -26,6 +26,9 @@ def test_generate_prints_text(tiny_models):
     (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
     ([], "exactly one of --prompt"),
     (["--prompt", "x", "--device", "tpu"], "device must be 'cpu' or 'cuda[:N]'"),
+    (["--prompt", "x", "--kv-cache-dtype", "int3"], "invalid choice: 'int3'"),
+    pytest.param(["--prompt", "x", "--kv-cache-dtype", "fp8_e4m3"], "needs a CUDA device; on the CPU use int8",
+                 marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
     pytest.param(["--prompt", "x", "--device", "cuda"], "PyTorch sees no CUDA device",
                  marks=pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")),
 ])

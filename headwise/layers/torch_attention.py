@@ -8,7 +8,8 @@ backend's (headwise.layers.triton_backend):
     window_prefill(q, k, v, wg, ctx, chunk, q_sink, scale)      -> [c, n*g, D]
 The layer has already written the step's full-head K/V into the pool and the decode
 tokens' window-head K/V into the rings; prefill ring writes follow the call. Caches are
-KVTensors: reads of a quantized class dequantize only the sequence or group at hand.
+KVTensors: decode attends a quantized class in its stored form (scaled_attention), other
+reads dequantize only the sequence or ring at hand.
 """
 from __future__ import annotations
 
