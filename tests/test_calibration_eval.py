@@ -27,6 +27,14 @@ def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
     assert json.loads(f.read_text())["model"] == "llama"
 
 
+def test_calibration_runs_with_an_int8_kv_cache(tiny_models):
+    from headwise.calibration import calibrate
+
+    lay = calibrate(str(tiny_models["llama"]), full_fraction=0.5, sink=4, window=16, num_samples=2,
+                    lengths=(96,), rounds=1, progress=False, engine_options={"kv_cache_dtype": "int8"})
+    assert sum(lay.num_full(l) for l in range(2)) == 2 and len(lay.scores) == 2
+
+
 def test_calibrate_rejects_bad_fraction(tiny_models):
     from headwise.calibration import calibrate
 
@@ -97,7 +105,7 @@ def test_equal_bytes_window_baseline_matches_kv_bytes():
         KVCacheManager(w, 16, o["kv_cache_memory"], o["max_num_seqs"], torch.float32)
 
 
-def test_eval_cli_runs_every_task_and_writes_outputs(tiny_models, tmp_path):
+def test_eval_cli_runs_every_task_and_writes_outputs(tiny_models, tmp_path, capsys):
     from headwise.cli import main
 
     lay = tmp_path / "half.json"
@@ -105,16 +113,18 @@ def test_eval_cli_runs_every_task_and_writes_outputs(tiny_models, tmp_path):
     out = tmp_path / "eval.json"
     rc = main(["eval", "--model", str(tiny_models["llama"]), "--head-layout", str(lay), "--baselines", "--rebased",
                "--tasks", "passkey,niah,ruler,ppl,agreement", "--lengths", "160", "--json", str(out),
-               "--plot-dir", str(tmp_path / "plots")])
+               "--kv-dtypes", "int8", "--plot-dir", str(tmp_path / "plots")])
     assert rc == 0
     recs = json.loads(out.read_text())
-    assert {r["layout"] for r in recs} == {"full", "half", "half+rebased", "random-50%", "window-same-KV"}
+    names = ("full", "full+int8", "half", "half+int8", "half+rebased", "random-50%", "window-same-KV")
+    assert {r["layout"] for r in recs} == set(names)
     assert {r["task"] for r in recs} == {"passkey", "niah", "multikey", "vartrack", "cwe", "ppl", "agreement"}
     for r in recs:
         assert set(r) >= {"layout", "task", "length", "score", "n"}
     assert all(r["score"] == 1.0 for r in recs if r["layout"] == "full" and r["task"] == "agreement")
-    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(
-        f"needle_{n}.png" for n in ("full", "half", "half+rebased", "random-50%", "window-same-KV"))
+    assert sorted(p.name for p in (tmp_path / "plots").iterdir()) == sorted(f"needle_{n}.png" for n in names)
+    assert main(["eval", "--model", str(tiny_models["llama"]), "--kv-dtypes", "int3", "--lengths", "160"]) == 2
+    assert "unknown KV cache dtype 'int3'" in capsys.readouterr().err
 
 
 def test_calibrate_cli_rejects_bad_lengths(tmp_path, capsys):
