@@ -92,10 +92,11 @@ class HeadSplitAttention(nn.Module):
         at = (slice(None), ctx.full_slots)
         kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
         vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
-        k, v = kc.decode(*kst), vc.decode(*vst)
         B = ctx.num_decode
         if B:
             out[:B] = be.full_decode(q[:B], kc, vc, ctx, self.scale)
+        if ctx.prefills:  # decode reads its own token back from the pool
+            k, v = kc.decode(*kst), vc.decode(*vst)
         for ch in ctx.prefills:
             s = ch.rows
             out[s] = be.full_prefill(q[s], k[s], v[s], kc, vc, ctx, ch, self.scale)
@@ -104,7 +105,6 @@ class HeadSplitAttention(nn.Module):
         be, kind = self.backend, (wg.sink, wg.window)
         sink_rope = ctx.sink_rope[kind] if ctx.sink_rope and wg.sink else None
         B = ctx.num_decode
-        k, v = wg.k_ring.decode(*kst), wg.v_ring.decode(*vst)
         if B:
             ridx, slots = ctx.decode_ring_index[kind], ctx.decode_ring_slots
             # The new token overwrites position p - window, which it no longer sees.
@@ -113,6 +113,8 @@ class HeadSplitAttention(nn.Module):
             wg.v_ring.put(at, *take(vst, lambda t: t[:B]))
             q_sink = None if sink_rope is None else rotate(q[:B], sink_rope[0][:B], sink_rope[1][:B])
             out[:B] = be.window_decode(q[:B], wg, ctx, q_sink, self.scale)
+        if ctx.prefills:  # decode reads its own token back from the ring
+            k, v = wg.k_ring.decode(*kst), wg.v_ring.decode(*vst)
         for ch in ctx.prefills:
             s = ch.rows
             q_sink = None if sink_rope is None else rotate(q[s], sink_rope[0][s], sink_rope[1][s])
