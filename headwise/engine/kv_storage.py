@@ -70,7 +70,8 @@ class KVStorage:
 
     def _page_views(self) -> list[torch.Tensor]:
         """The pool as [F, num_blocks, bytes per block per head] byte views of K and V
-        (a page's bytes: its slice of each), or the plain pages [1, num_pages, bytes]."""
+        values, then their scales when quantized (a page's bytes: its slice of each), or
+        the plain pages [1, num_pages, bytes]."""
         if self.pages.shape[0]:
             return [self.pages[None]]
         F = self.full_k.shape[0]
@@ -106,7 +107,7 @@ class KVStorage:
                  self.ring_scales[start: start + tokens].view(S, g.num_heads, g.ring_size))
         return KVTensor(data, scale, self.compute["window"])
 
-    def layer_views(self, layer: int) -> tuple[int, torch.Tensor | None, torch.Tensor | None, list[WindowGroup]]:
+    def layer_views(self, layer: int) -> tuple[int, KVTensor | None, KVTensor | None, list[WindowGroup]]:
         """(number of full heads, their K and V [nf, slots, D], window groups) of a layer."""
         geo = self.geometry
         nf, off = geo.num_full[layer], geo.full_offset[layer]
