@@ -54,17 +54,19 @@ def test_gpu_benchmark_harness_on_cpu(tmp_path):
     out = tmp_path / "gpu"
     rc = gpu.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--backend", "torch",
                    "--contexts", "128,300", "--budget-gib", "0.01", "--chunk", "64", "--new-tokens", "3",
-                   "--agg-steps", "2", "--sink", "8", "--window", "16", "--no-kernels", "--out-dir", str(out)])
+                   "--agg-steps", "2", "--sink", "8", "--window", "16", "--no-kernels", "--out-dir", str(out),
+                   "--layouts", "full,split,split+int8"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     by = {(r["layout"], r["context"]): r for r in res["records"]}
-    assert set(by) == {(l, c) for l in ("full", "split") for c in (128, 300)}
+    assert set(by) == {(l, c) for l in ("full", "split", "split+int8") for c in (128, 300)}
+    assert by[("split+int8", 300)]["kv_bytes_per_seq"] < by[("split", 300)]["kv_bytes_per_seq"]
     for r in by.values():
         assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["agg_tok_s"] > 0
     f, s = by[("full", 300)], by[("split", 300)]
     assert s["kv_bytes_per_seq"] < f["kv_bytes_per_seq"] and s["max_concurrency"] > f["max_concurrency"]
     md = (out / "results.md").read_text()
-    assert f"| 300 | {f['ttft_s'] / s['ttft_s']:.2f}x | {f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x |" in md
+    assert f"| 300 | split | {f['ttft_s'] / s['ttft_s']:.2f}x | {f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
