@@ -11,7 +11,7 @@ DIR/<fingerprint>/, the fingerprint naming the model file, the layout, the KV dt
 the block size and the format version; other fingerprints are ignored.
 
 Writes are atomic (a temporary file, then rename) and run on a background thread; reads
-run on another, into host memory, where the cache manager picks them up on a later step
+run on READERS others, into host memory, where the cache manager picks them up on a later step
 (a request waiting for its prefix stays queued while others run). Anything unreadable,
 truncated or not matching its checksum is skipped (one warning, a counter) and the
 prefix is recomputed; a full disk stops offloading with one warning.
@@ -35,6 +35,9 @@ from safetensors import safe_open
 from safetensors.torch import save
 
 FORMAT_VERSION = "1"
+# Reader threads: a cached document is hundreds of one-block files, whose opening and
+# checksumming overlap across threads (hashlib and file reads release the GIL).
+READERS = 4
 log = logging.getLogger("headwise.kv_tier")
 
 
@@ -89,8 +92,9 @@ class DiskTier:
             self._scan()
         self._wq: queue.Queue = queue.Queue()
         self._rq: queue.Queue = queue.Queue()
-        self._threads = [threading.Thread(target=self._writer, name="headwise-kv-writer", daemon=True),
-                         threading.Thread(target=self._reader, name="headwise-kv-reader", daemon=True)]
+        self._threads = [threading.Thread(target=self._writer, name="headwise-kv-writer", daemon=True)]
+        self._threads += [threading.Thread(target=self._reader, name=f"headwise-kv-reader-{i}", daemon=True)
+                          for i in range(READERS)]
         for t in self._threads:
             t.start()
 
@@ -280,7 +284,7 @@ class DiskTier:
 
     def wait_for_reads(self, timeout: float) -> None:
         """Block until a read finishes (or `timeout`), if any is under way: an engine with
-        nothing else to run waits here instead of spinning against the reader thread."""
+        nothing else to run waits here instead of spinning against the reader threads."""
         with self._lock:
             if not self._pending:
                 return
@@ -300,7 +304,8 @@ class DiskTier:
             self._closed = True
         self.flush()
         self._wq.put(None)
-        self._rq.put(None)
+        for _ in range(READERS):
+            self._rq.put(None)
         for t in self._threads:
             t.join(timeout=10)
 
