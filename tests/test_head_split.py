@@ -265,7 +265,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
     from headwise.layers import torch_attention
     from headwise.layers.attention import WindowGroup
     from headwise.layers.context import PrefillChunk, StepContext
-    from headwise.layers.kv_tensor import KVTensor
+    from headwise.layers.kv_tensor import KVTensor, take
     from headwise.layers.window_geometry import ring_index, window_chunk
 
     torch.manual_seed(start * 100 + c)
@@ -285,11 +285,12 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
 
     k_ring, v_ring = ring(), ring()
     wg = WindowGroup(0, n, sink, window, k_ring, v_ring)
-    k, v = k_ring.round_trip(k), v_ring.round_trip(v)  # what the layer hands the backend
+    kst, vst = k_ring.encode(k), v_ring.encode(v)  # as the layer does: encoded once
+    k, v = k_ring.decode(*kst), v_ring.decode(*vst)  # what the layer hands the backend
     for p in range(start):  # what earlier chunks left in ring slot 1
         r = int(ring_index(torch.tensor(p), sink, window))
-        k_ring.store((1, slice(None), r), k[p])
-        v_ring.store((1, slice(None), r), v[p])
+        k_ring.put((1, slice(None), r), *take(kst, lambda t: t[p]))
+        v_ring.put((1, slice(None), r), *take(vst, lambda t: t[p]))
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
     ch.window[(sink, window)] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
                                                    for_kernels=False, block=4)

@@ -52,14 +52,16 @@ def test_kv_tensor_store_load_and_plain_views():
     data, scale = torch.zeros(4, 6, 8, dtype=torch.int8), torch.zeros(4, 6)
     kv = KVTensor(data, scale, torch.float32)
     x = torch.randn(2, 8)
-    got = kv.store((1, torch.tensor([2, 5])), x)  # what reads will give back
+    form = kv.encode(x)
+    kv.put((1, torch.tensor([2, 5])), *form)
+    got = kv.decode(*form)  # what reads will give back
     assert torch.equal(kv.load((1, torch.tensor([2, 5]))), got)
     assert (got - x).abs().max() < x.abs().max() / 127
     assert kv[1].load(slice(2, 3)).shape == (1, 8)
     plain = KVTensor(torch.randn(4, 6, 8), None, torch.float32)
     assert plain.plain and plain.load(1).data_ptr() == plain.data[1].data_ptr()  # a view, no copy
     half = KVTensor(torch.zeros(4, 6, 8, dtype=torch.float16), None, torch.float32)
-    assert not half.plain and half.store(0, x[0, None].expand(6, 8)).dtype == torch.float32
+    assert not half.plain and half.decode(*half.encode(x[0, None].expand(6, 8))).dtype == torch.float32
 
 
 # ---- accounting --------------------------------------------------------------------

@@ -5,10 +5,11 @@ model computes in). Quantized classes (int8; fp8_e4m3 on CUDA) store per token a
 a vector q [D] and one symmetric scale s, x ~ q * s with s = max|x| / QMAX, so a token
 is quantized once, when it is written, on its own (no statistics over other tokens).
 
-Attention always sees what the cache gives back: the layer round-trips a step's own K/V
-through the same format before attending, so a prompt computed in chunks, in one pass,
-or partly read from the prefix cache gives the same numbers. Reads dequantize only what
-one sequence or one group attends to (never the whole cache).
+Attention always sees what the cache gives back: the layer encodes a step's K/V once,
+writes that form and attends its decoded form, so a prompt computed in chunks, in one
+pass, or partly read from the prefix cache gives the same numbers. Nothing dequantizes
+the whole cache: decode attends quantized K/V in their stored form
+(torch_attention.scaled_attention), other reads decode only what they attend.
 """
 from __future__ import annotations
 
@@ -97,22 +98,12 @@ class KVTensor:
             return q.to(self.dtype)
         return dequantize(q, s, self.dtype)
 
-    def round_trip(self, x: torch.Tensor) -> torch.Tensor:
-        """What the cache would give back for x."""
-        return self.decode(*self.encode(x))
-
     # ---- reads and writes ----------------------------------------------------------
     def put(self, idx, q: torch.Tensor, s: torch.Tensor | None) -> None:
-        """Write an already encoded form at `idx` (leading dims)."""
+        """Write an encoded form (see encode) at `idx` (leading dims)."""
         self.data[idx] = q
         if self.scale is not None:
             self.scale[idx] = s
-
-    def store(self, idx, x: torch.Tensor) -> torch.Tensor:
-        """Encode x, write it at `idx`, return what reads will give back for it."""
-        q, s = self.encode(x)
-        self.put(idx, q, s)
-        return self.decode(q, s)
 
     def load(self, idx=...) -> torch.Tensor:
         """Values at `idx` in the compute dtype: a view when stored as such, else a
