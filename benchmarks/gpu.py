@@ -32,7 +32,7 @@ from benchmarks.common import headwise_aggregate, headwise_single  # noqa: E402
 from headwise import LLM, HeadLayout  # noqa: E402
 from headwise.cache.manager import KVCacheManager  # noqa: E402
 from headwise.models.config import ModelConfig  # noqa: E402
-from headwise.models.llama import CausalLM  # noqa: E402
+from headwise.models.causal_lm import CausalLM  # noqa: E402
 
 LLAMA3_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                  num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0)
@@ -52,8 +52,6 @@ class IdTokenizer:
 
 
 def random_model(shape: dict, max_len: int, device: str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
-    from headwise.weights.loader import rebuild_rotary
-
     cfg = ModelConfig(architecture="llama", max_position_embeddings=max_len,
                       name="random-llama3-8b-shape", **shape)
     # Built on meta then materialised in `dtype` directly (an 8B float32 copy would not fit).
@@ -72,7 +70,7 @@ def random_model(shape: dict, max_len: int, device: str, dtype: torch.dtype, see
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02, generator=gen)
-    rebuild_rotary(model, cfg, device)
+    model.model.build_rotary(cfg, device)
     return model.eval()
 
 

@@ -50,7 +50,8 @@ def _opt(default: Any, help: str, type: Any = None, choices: tuple | None = None
 
 @dataclass
 class EngineConfig:
-    model: str | None = _opt(None, "GGUF file or HF directory (default: SmolLM2-135M-Instruct)", str)
+    model: str | None = _opt(None, "GGUF file, HF directory or a known name: SmolLM2-135M-Instruct "
+                             "(the default), gemma-3-270m", str)
     # "auto": bfloat16 where the device multiplies it natively (CUDA; CPUs with AVX512-BF16
     # or AMX) and the checkpoint is 16-bit or quantized, else float32. See resolve_dtype.
     dtype: str = _opt("auto", "compute and KV dtype; auto: bfloat16 where the device computes it "
@@ -60,7 +61,8 @@ class EngineConfig:
                                "each class's own): auto (the compute dtype), bfloat16, float16, float32, "
                                "int8 (a scale per token and head), fp8_e4m3 (CUDA only)", str, KV_CACHE_DTYPES)
     head_layout: Any = _opt(None, "full | window | PATH to a layout JSON (default: the model's "
-                            "shipped layout, else full)", str)
+                            "shipped layout, else its native one if it has sliding-window layers "
+                            "(Gemma 3), else full)", str)
     block_size: int = _opt(16, "tokens per full-head KV block", int)
     kv_cache_memory: int = _opt(1 << 30, "bytes for the KV cache (both pools); units allowed: 2GiB, "
                                 "512MiB", parse_size)

@@ -1,7 +1,15 @@
 """Thin wrapper over the HF tokenizer: encoding, incremental decoding, chat template."""
 from __future__ import annotations
 
+import hashlib
+import logging
+import os
+import shutil
 from pathlib import Path
+
+from headwise.weights.registry import cache_dir
+
+log = logging.getLogger(__name__)
 
 
 class Tokenizer:
@@ -12,8 +20,29 @@ class Tokenizer:
     def from_path(cls, directory: Path, gguf_file: str | None = None) -> "Tokenizer":
         from transformers import AutoTokenizer
 
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
-        return cls(AutoTokenizer.from_pretrained(str(directory), **kwargs))
+        if not gguf_file:
+            return cls(AutoTokenizer.from_pretrained(str(directory)))
+        # Building a tokenizer from GGUF metadata takes seconds (13 s for Gemma 3's 262K
+        # tokens); the result is saved once per GGUF file and loaded from there after.
+        gguf = (Path(directory) / gguf_file).resolve()
+        st = gguf.stat()
+        key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        saved = cache_dir() / "tokenizers" / f"{gguf.stem}-{key}"
+        if saved.is_dir():
+            try:
+                return cls(AutoTokenizer.from_pretrained(str(saved)))
+            except (OSError, ValueError) as e:
+                log.warning("cached tokenizer %s is unreadable (%s); rebuilding it", saved, e)
+        hf = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+        tmp = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
+        try:
+            hf.save_pretrained(str(tmp))
+            shutil.rmtree(saved, ignore_errors=True)
+            os.replace(tmp, saved)
+        except OSError as e:  # a read-only cache costs time, nothing else
+            log.warning("could not cache the tokenizer in %s: %s", saved, e)
+            shutil.rmtree(tmp, ignore_errors=True)
+        return cls(hf)
 
     @property
     def eos_token_id(self) -> int | None:

@@ -34,7 +34,8 @@ def make_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, seed: int =
     """Random-weight model of `arch` in HF format (config.json + safetensors + tokenizer)."""
     import shutil
 
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import (AutoModelForCausalLM, Gemma3TextConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                              Qwen3Config)
 
     common = dict(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
@@ -46,6 +47,7 @@ def make_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, seed: int =
         "mistral": lambda: MistralConfig(sliding_window=None, rope_theta=10000.0, **common),
         "qwen2": lambda: Qwen2Config(rope_theta=10000.0, **common),
         "qwen3": lambda: Qwen3Config(head_dim=32, rope_theta=10000.0, **common),
+        "gemma3": lambda: Gemma3TextConfig(**common),  # head_dim, windows and layer types in overrides
     }[arch]()
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager").eval()

@@ -84,7 +84,7 @@ def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progres
             for p in probes:
                 p.rows, p.needle = s.query_rows, s.needle_rows
                 p.dev.zero_(), p.mass.zero_()
-            eng.prompt_logits(s.ids, chunk_size=len(s.ids))
+            eng.prompt_logits(s.ids, chunk_size=len(s.ids), positions=[])
             d = torch.stack([p.dev for p in probes])
             dev += d / d.max()
             mass += torch.stack([p.mass for p in probes])

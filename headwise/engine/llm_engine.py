@@ -14,7 +14,7 @@ from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.sequence import Sequence
-from headwise.layouts import shipped_layout
+from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
 from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_model, model_identity,
@@ -46,14 +46,19 @@ class LLMEngine:
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
-                                     default=shipped_layout(mcfg.name, shape))
+                                     default=shipped_layout(mcfg.name, shape) or native_layout(mcfg))
+        check_native_windows(self.layout, mcfg)
+        if config.window_positions == "rebased" and len(self.model.model.rotaries) > 1:
+            raise ConfigError("window_positions='rebased' needs one rotary base for every layer; "
+                              f"{mcfg.name} has {len(self.model.model.rotaries)}")
         permute_model_heads(self.model, self.layout)
         self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
         release_freed_heap()  # before the KV pools are allocated
         keep_freed_heap()  # then a step's temporaries reuse memory instead of faulting in pages
         limit = mcfg.max_position_embeddings
-        if mcfg.sliding_window:
-            limit = min(limit, mcfg.sliding_window)  # model-level sliding window is not modelled
+        if mcfg.sliding_window and not mcfg.sliding_layers:
+            # The same window in every layer (Mistral) is not modelled by a layout.
+            limit = min(limit, mcfg.sliding_window)
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching,
@@ -184,11 +189,16 @@ class LLMEngine:
             seq.finish_time = now
             self.scheduler.finish(seq)
 
-    def prompt_logits(self, ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Logits [T, V] of every prompt position, prefilled in chunks of `chunk_size`
-        (default: the step token budget). Used for perplexity and parity checks."""
+    def prompt_logits(self, ids: list[int], chunk_size: int | None = None,
+                      positions: list[int] | None = None) -> torch.Tensor:
+        """Logits [len(positions), V] of the prompt at `positions` (default: every one, [T, V]),
+        prefilled in chunks of `chunk_size` (default: the step token budget). Used for
+        perplexity, calibration (positions=[]) and parity checks."""
         self.check_length(len(ids), 0)
         chunk = chunk_size or self.config.max_num_batched_tokens
+        wanted = range(len(ids)) if positions is None else sorted(set(positions))
+        if any(not 0 <= p < len(ids) for p in wanted):
+            raise ValueError(f"positions must lie in [0, {len(ids)})")
         seq = Sequence(ids, SamplingParams(max_tokens=1))
         if not self.cache.can_allocate(len(ids)):
             raise RuntimeError("not enough free KV cache to score this sequence now")
@@ -196,10 +206,12 @@ class LLMEngine:
         out = []
         try:
             while seq.num_computed_tokens < len(ids):
-                n = min(chunk, len(ids) - seq.num_computed_tokens)
-                self.cache.append(seq.seq_id, seq.num_computed_tokens + n)
+                start = seq.num_computed_tokens
+                n = min(chunk, len(ids) - start)
+                self.cache.append(seq.seq_id, start + n)
                 self._run_cache_copies()  # pages it took may hold evicted prefixes for the disk tier
-                logits, _ = self.runner.run([(seq, n)], all_logits=True)
+                rows = [p - start for p in wanted if start <= p < start + n]
+                logits, _ = self.runner.run([(seq, n)], logit_rows=rows)
                 out.append(logits)
                 seq.num_computed_tokens += n
         finally:

@@ -11,7 +11,7 @@ from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
 from headwise.layers.context import PrefillChunk, StepContext, set_context
 from headwise.layers.window_geometry import ring_index, window_chunk
-from headwise.models.llama import CausalLM
+from headwise.models.causal_lm import CausalLM
 
 
 class ModelRunner:
@@ -46,18 +46,18 @@ class ModelRunner:
                 self.kv.write_pages(op.pages, op.data.to(self.device))
 
     def run(self, scheduled: list[tuple[Sequence, int]],
-            all_logits: bool = False) -> tuple[torch.Tensor, list[Sequence]]:
+            logit_rows: list[int] | None = None) -> tuple[torch.Tensor, list[Sequence]]:
         """Run one step; returns logits [S, V] (float32, on the CPU) for the sequences that
         sample, and those.
 
-        With all_logits, logits of every token of the step come back instead, in the
-        step's token order (decodes first); used by evaluation (perplexity) and tests."""
+        With logit_rows, the logits of those tokens of the step come back instead (rows in
+        the step's token order, decodes first); used by evaluation (perplexity) and tests."""
         ctx, ids, sampling_rows, sampling_seqs = self._context(scheduled)
         dev = self.device
         set_context(ctx)
         try:
-            rows = (torch.arange(len(ids), device=dev) if all_logits
-                    else torch.tensor(sampling_rows, dtype=torch.int64, device=dev))
+            rows = torch.tensor(sampling_rows if logit_rows is None else logit_rows,
+                                dtype=torch.int64, device=dev)
             logits = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), ctx.positions, rows)
         finally:
             set_context(None)

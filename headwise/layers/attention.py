@@ -34,13 +34,14 @@ class WindowGroup:
 
 
 class HeadSplitAttention(nn.Module):
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.group = num_heads // num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim ** -0.5
+        self.scale = head_dim ** -0.5 if scale is None else scale  # of q.k
         # Bound by the model runner; the layer never allocates cache memory.
         self.num_full = num_kv_heads
         self.k_full: KVTensor | None = None  # [num_full, num_slots, D]

@@ -29,6 +29,8 @@ from torch import nn
 PACK_ROWS = 1024
 INT4_GROUP = 32     # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks)
 INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
+# activation -> oneDNN post-op (attribute, algorithm) fused into the packed matmul
+ACTIVATIONS = {"none": ("none", ""), "silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -110,17 +112,16 @@ class Linear(nn.Module):
         return self.weight.detach() if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor, act: str = "none") -> torch.Tensor:
-        # x: [..., in] -> [..., out]; act "silu" applies SiLU to the result.
-        if act not in ("none", "silu"):
-            raise ValueError(f"unsupported activation {act!r}")
-        if self._small(x):
-            y = self._int4_mm(x)
-            return F.silu(y) if act == "silu" else y
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(
-                x, self.packed, self.bias, "swish" if act == "silu" else "none", [], "")
-        y = F.linear(x, self.weight, self.bias)
-        return F.silu(y) if act == "silu" else y
+        # x: [..., in] -> [..., out]; act (ACTIVATIONS) applied to the result.
+        if act not in ACTIVATIONS:
+            raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
+        if self.packed is not None and not self._small(x):
+            attr, algorithm = ACTIVATIONS[act]
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+        y = self._int4_mm(x) if self._small(x) else F.linear(x, self.weight, self.bias)
+        if act == "silu":
+            return F.silu(y)
+        return F.gelu(y, approximate="tanh") if act == "gelu_tanh" else y
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""

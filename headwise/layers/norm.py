@@ -4,12 +4,18 @@ from torch import nn
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
+    """x / rms(x) * weight. `upcast` (Gemma): computed in float32 and the weight kept in
+    float32 (CausalLM.prepare_weights), as the reference does; Gemma's weight holds 1 + w."""
+
+    def __init__(self, dim: int, eps: float, upcast: bool = False) -> None:
         super().__init__()
         self.eps = eps
+        self.upcast = upcast
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.upcast:
+            return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
         # PyTorch's fused kernel accumulates in float32 for 16-bit inputs, as the reference
         # implementations do, and rounds once (they round before the weight multiply).
         # At [1024, 576] bfloat16 it is 4x faster than the float32 round trip spelled out.

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from headwise.cache.layout import HeadLayout
-from headwise.models.llama import CausalLM
+from headwise.models.causal_lm import CausalLM
 
 
 def _rows(weight: torch.Tensor, order: list[int], head_dim: int) -> torch.Tensor:

@@ -7,7 +7,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from headwise.models.config import SUPPORTED_ARCHITECTURES, ModelConfig, UnsupportedModelError
+from headwise.models.config import (GEMMA3_LOCAL_ROPE_THETA, SUPPORTED_ARCHITECTURES, ModelConfig,
+                                    UnsupportedModelError, gemma3_layer_types)
+from headwise.weights.gguf_file import GGUFFile
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -22,6 +24,10 @@ _LAYER_NAMES = {
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
 }
+# Gemma 3 has a norm before and after each sublayer; its ffn_norm is the one before.
+_GEMMA3_LAYER_NAMES = dict(_LAYER_NAMES, ffn_norm="pre_feedforward_layernorm",
+                           post_attention_norm="post_attention_layernorm",
+                           post_ffw_norm="post_feedforward_layernorm")
 _GLOBAL_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -29,13 +35,8 @@ _GLOBAL_NAMES = {
 }
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    return default if f is None else f.contents()
-
-
-def read_config(reader, name: str) -> ModelConfig:
-    arch = _field(reader, "general.architecture")
+def read_config(reader: GGUFFile, name: str) -> ModelConfig:
+    arch = reader.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
             f"unsupported GGUF architecture {arch!r}; headwise supports {sorted(SUPPORTED_ARCHITECTURES)}"
@@ -45,31 +46,48 @@ def read_config(reader, name: str) -> ModelConfig:
                                     "supported; load the Hugging Face directory instead")
 
     def a(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
+        return reader.get(f"{arch}.{key}", default)
 
     heads = a("attention.head_count")
     hidden = a("embedding_length")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
-    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    eos = reader.get("tokenizer.ggml.eos_token_id")
+    vocab = a("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"])
     has_output = any(t.name == "output.weight" for t in reader.tensors)
+    layers = int(a("block_count"))
+    head_dim = int(a("attention.key_length", hidden // heads))
+    gemma = {}
+    if arch == "gemma3":
+        # Not in every GGUF: the layer pattern (bools, True = sliding, or a period), the
+        # sliding layers' rotary base and query_pre_attn_scalar (head_dim for every
+        # Gemma 3 but the 27B, as llama.cpp assumes too).
+        pattern = a("attention.sliding_window_pattern")
+        if isinstance(pattern, list):
+            types = ["sliding_attention" if p else "full_attention" for p in pattern]
+        else:
+            types = gemma3_layer_types(layers, *([int(pattern)] if pattern else []))
+        gemma = dict(sliding_window=int(a("attention.sliding_window")), layer_types=types,
+                     rope_local_theta=float(a("rope.freq_base_swa", GEMMA3_LOCAL_ROPE_THETA)),
+                     query_pre_attn_scalar=float(head_dim), hidden_act="gelu_tanh",
+                     scale_embeddings=True, sandwich_norms=True)
     return ModelConfig(
         architecture=arch,
         vocab_size=int(vocab),
         hidden_size=int(hidden),
         intermediate_size=int(a("feed_forward_length")),
-        num_layers=int(a("block_count")),
+        num_layers=layers,
         num_heads=int(heads),
         num_kv_heads=int(a("attention.head_count_kv", heads)),
-        head_dim=int(a("attention.key_length", hidden // heads)),
+        head_dim=head_dim,
         rms_norm_eps=float(a("attention.layer_norm_rms_epsilon", 1e-6)),
         rope_theta=float(a("rope.freq_base", 10000.0)),
         max_position_embeddings=int(a("context_length", 4096)),
         tie_word_embeddings=not has_output,
         attention_bias=SUPPORTED_ARCHITECTURES[arch]["attention_bias"],
         qk_norm=SUPPORTED_ARCHITECTURES[arch]["qk_norm"],
-        bos_token_id=_field(reader, "tokenizer.ggml.bos_token_id"),
+        bos_token_id=reader.get("tokenizer.ggml.bos_token_id"),
         eos_token_ids=[] if eos is None else [int(eos)],
         name=name,
+        **gemma,
     )
 
 
@@ -81,26 +99,23 @@ def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 
 def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from gguf import GGUFReader
-    from gguf.quants import dequantize
-
-    reader = GGUFReader(str(path))
+    reader = GGUFFile(path)
     cfg = read_config(reader, name)
     permute = cfg.architecture in ("llama", "mistral")
+    layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = dequantize(t.data, t.tensor_type).reshape(tuple(reversed(t.shape.tolist())))
-        w = np.array(w, dtype=np.float32)  # writable, contiguous copy
+        w = np.array(t.dequantize())  # writable, contiguous copy
         if t.name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".")  # blk.N.kind.(weight|bias)
-            if parts[0] != "blk" or parts[2] not in _LAYER_NAMES:
+            if parts[0] != "blk" or parts[2] not in layer_names:
                 raise UnsupportedModelError(f"unexpected tensor {t.name!r} in {path}")
             if permute and parts[2] == "attn_q":
                 w = _unpermute(w, cfg.num_heads)
             elif permute and parts[2] == "attn_k":
                 w = _unpermute(w, cfg.num_kv_heads)
-            key = f"model.layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.{parts[3]}"
+            key = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
         state[key] = torch.from_numpy(w)
     return cfg, state

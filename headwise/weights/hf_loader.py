@@ -22,4 +22,6 @@ def load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Ten
     state: dict[str, torch.Tensor] = {}
     for f in files:
         state.update(load_file(str(f)))
+    if cfg.sandwich_norms:  # Gemma: the checkpoint holds w of x * (1 + w); headwise stores 1 + w
+        state = {k: v.float() + 1 if k.endswith("norm.weight") else v for k, v in state.items()}
     return cfg, state

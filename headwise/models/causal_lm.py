@@ -1,0 +1,94 @@
+"""The decoder-only causal LM every supported architecture builds: embeddings, a stack of
+its decoder layers, the final norm and the vocabulary projection. Architecture differences
+live in the layer classes (models.llama, models.gemma3) and in ModelConfig.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from headwise.layers.attention import HeadSplitAttention
+from headwise.layers.linear import Linear
+from headwise.layers.norm import RMSNorm
+from headwise.layers.rotary import RotaryEmbedding
+from headwise.models.config import ModelConfig
+from headwise.models.gemma3 import Gemma3DecoderLayer
+from headwise.models.llama import DecoderLayer
+
+LAYER_CLASSES = {"gemma3": Gemma3DecoderLayer}
+
+
+class Backbone(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        layer_cls = LAYER_CLASSES.get(cfg.architecture, DecoderLayer)
+        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, upcast=cfg.sandwich_norms)
+        self.embed_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
+        # Each layer's rotary base; layers sharing one share its tables in a step.
+        self.layer_theta = [cfg.rope_theta_of(i) for i in range(cfg.num_layers)]
+        self.build_rotary(cfg)
+
+    def build_rotary(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        """Rotary tables per distinct base, on `device` (None: the default device; call
+        again with a real one after building on meta)."""
+        self.rotaries = {theta: RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, theta,
+                                                cfg.rope_scaling if theta == cfg.rope_theta else None)
+                         for theta in dict.fromkeys(self.layer_theta)}
+        if device is not None:
+            for r in self.rotaries.values():
+                r.cos, r.sin = r.cos.to(device), r.sin.to(device)
+
+    @property
+    def rotary(self) -> RotaryEmbedding:
+        """The one rotary of a model whose layers all share a base (re-based window
+        positions need it; the engine refuses them for models with several bases)."""
+        if len(self.rotaries) != 1:
+            raise ValueError("this model's layers rotate with different bases: "
+                             f"{sorted(self.rotaries)}")
+        return next(iter(self.rotaries.values()))
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def prepare_weights(self, dtype: torch.dtype) -> None:
+        """Cast to the compute dtype and prepack the linear weights for the CPU (see
+        layers.linear). 4-bit weights are recognised first, while float32 holds them
+        exactly; float32 norms keep their float32 weights. Call once, on the final device,
+        after any edit of the plain weights."""
+        linears = [m for m in self.modules() if isinstance(m, Linear)]
+        for m in linears:
+            m.find_int4()
+        kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
+        self.to(dtype)
+        for m, w in kept.items():
+            m.weight.data = w
+        for m in linears:
+            m.pack()
+
+    def attention_layers(self) -> list[HeadSplitAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        if m.embed_scale is not None:
+            x = x * torch.tensor(m.embed_scale, dtype=x.dtype)  # rounded as the reference does
+        # Gathered once per step and rotary base, not per layer.
+        tables = {theta: r.tables(positions) for theta, r in m.rotaries.items()}
+        for layer, theta in zip(m.layers, m.layer_theta):
+            x = layer(x, tables[theta])
+        # Only rows that are sampled go through the norm and the vocabulary projection.
+        x = m.norm(x[logits_indices])
+        return self.lm_head(x).float()

@@ -1,0 +1,128 @@
+"""A GGUF file's metadata and tensors, read without decoding the tokenizer's arrays.
+
+gguf's GGUFReader builds a Python object per array element: Gemma 3's 262K-token
+vocabulary (tokens, scores, types) took 14 s of a 20 s engine start. Here numeric arrays
+are one numpy view and string arrays are skipped unless asked for; the model loader only
+needs scalars, the tensor table and the vocabulary's length.
+
+Layout (GGUF v2/v3, little-endian): magic, version, tensor count, metadata count;
+metadata entries (key, value type, value); tensor infos (name, dims, type, offset);
+padding to `general.alignment`; tensor data.
+"""
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+# GGUF value type -> numpy dtype (8 = string, 9 = array)
+_SCALARS = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
+            6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_STRING, _ARRAY = 8, 9
+
+
+class GGUFFormatError(ValueError):
+    pass
+
+
+@dataclass
+class StringArray:
+    """A string array left undecoded: its length only."""
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
+
+
+@dataclass
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]       # GGUF order: innermost dimension first
+    qtype: GGMLQuantizationType
+    data: np.ndarray             # raw bytes [rows, bytes per row] (uint8), a view of the file
+
+    def dequantize(self) -> np.ndarray:
+        """float32, in row-major order (outermost dimension first)."""
+        from gguf.quants import dequantize
+
+        w = dequantize(self.data, self.qtype)
+        return np.asarray(w, dtype=np.float32).reshape(tuple(reversed(self.shape)))
+
+
+class GGUFFile:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        self._pos = 0
+        if bytes(self._take(4)) != b"GGUF":
+            raise GGUFFormatError(f"{self.path} is not a GGUF file")
+        version, n_tensors, n_kv = self._unpack("<IQQ")
+        if version not in (2, 3):
+            raise GGUFFormatError(f"{self.path}: unsupported GGUF version {version}")
+        self.fields: dict[str, Any] = {}
+        for _ in range(n_kv):
+            key = self._string()
+            self.fields[key] = self._value(self._unpack("<I")[0])
+        infos = []
+        for _ in range(n_tensors):
+            name = self._string()
+            (n_dims,) = self._unpack("<I")
+            dims = self._unpack(f"<{n_dims}Q")
+            qtype, offset = self._unpack("<IQ")
+            infos.append((name, tuple(int(d) for d in dims), GGMLQuantizationType(qtype), offset))
+        align = int(self.fields.get("general.alignment", 32))
+        start = -(-self._pos // align) * align
+        self.tensors: list[GGUFTensor] = []
+        for name, dims, qtype, offset in infos:
+            block, size = GGML_QUANT_SIZES[qtype]
+            if dims[0] % block:
+                raise GGUFFormatError(f"{self.path}: tensor {name} rows are not whole blocks")
+            row_bytes = dims[0] // block * size
+            rows = int(np.prod(dims[1:], dtype=np.int64))
+            lo = start + offset
+            if lo + rows * row_bytes > len(self._buf):
+                raise GGUFFormatError(f"{self.path} is truncated (tensor {name})")
+            data = self._buf[lo: lo + rows * row_bytes].reshape(rows, row_bytes)
+            self.tensors.append(GGUFTensor(name, dims, qtype, data))
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.fields.get(key, default)
+
+    # ---- parsing ------------------------------------------------------------------
+    def _take(self, n: int) -> np.ndarray:
+        if self._pos + n > len(self._buf):
+            raise GGUFFormatError(f"{self.path} is truncated")
+        out = self._buf[self._pos: self._pos + n]
+        self._pos += n
+        return out
+
+    def _unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, bytes(self._take(struct.calcsize(fmt))))
+
+    def _string(self) -> str:
+        (n,) = self._unpack("<Q")
+        return bytes(self._take(n)).decode("utf-8", errors="replace")
+
+    def _value(self, vtype: int) -> Any:
+        if vtype in _SCALARS:
+            dt = np.dtype(_SCALARS[vtype])
+            return self._take(dt.itemsize).view(dt)[0].item()
+        if vtype == _STRING:
+            return self._string()
+        if vtype != _ARRAY:
+            raise GGUFFormatError(f"{self.path}: unknown metadata value type {vtype}")
+        etype, n = self._unpack("<IQ")
+        if etype in _SCALARS:
+            dt = np.dtype(_SCALARS[etype])
+            return self._take(n * dt.itemsize).view(dt).tolist() if n <= 4096 else \
+                self._take(n * dt.itemsize).view(dt)
+        if etype == _STRING:  # skipped: each is a length and that many bytes
+            for _ in range(n):
+                (length,) = self._unpack("<Q")
+                self._pos += length
+            return StringArray(n)
+        return [self._value(etype) for _ in range(n)]

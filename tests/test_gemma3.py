@@ -1,0 +1,147 @@
+"""Gemma 3: a tiny random model against transformers (sandwich norms, q/k norm, GeGLU,
+scaled embeddings, query_pre_attn_scalar, sliding layers with their own rotary base), the
+native layout and the checks on other layouts, the GGUF reader, and the real 270M GGUF
+against transformers on the same file."""
+import numpy as np
+import pytest
+import torch
+
+from headwise import LLM, HeadLayout, SamplingParams
+from headwise.cache.layout import HeadSpec, LayoutError
+from headwise.config import ConfigError
+from headwise.models.config import ModelConfig, gemma3_layer_types
+from headwise.weights.gguf_file import GGUFFile, GGUFFormatError
+from tests.conftest import assert_batched_equals_single, make_tiny_model
+
+WINDOW = 16
+LAYER_TYPES = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+# head_dim 256 as in every Gemma 3; the scale 1/sqrt(192) differs from 1/sqrt(head_dim).
+TINY = dict(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=256,
+            sliding_window=WINDOW, layer_types=LAYER_TYPES, query_pre_attn_scalar=192,
+            tie_word_embeddings=True, max_position_embeddings=512)
+PROMPT = "The history of the city begins with a small settlement on the river, where"
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(scope="module")
+def tiny_gemma(tmp_path_factory, tokenizer_dir):
+    return make_tiny_model("gemma3", tmp_path_factory.mktemp("gemma3"), tokenizer_dir, **TINY)
+
+
+def _hf(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                attn_implementation="eager").eval()
+
+
+def _options(backend: str) -> dict:
+    if backend == "triton":
+        pytest.importorskip("triton")
+        return dict(attention_backend="triton", device=KERNEL_DEVICE, block_size=4)
+    return dict(attention_backend="torch", block_size=4)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_logits_match_hf(tiny_gemma, backend):
+    llm = LLM(str(tiny_gemma), kv_cache_memory=1 << 24, dtype="float32", **_options(backend))
+    assert llm.engine.layout.name == "native"
+    ids = llm.tokenizer.encode(PROMPT * 4)
+    assert len(ids) > 3 * WINDOW  # the sliding layers drop tokens
+    with torch.no_grad():
+        ref = _hf(tiny_gemma)(torch.tensor([ids])).logits[0]
+    for chunk in (len(ids), 7):  # one pass, and chunks that cross the window
+        ours = llm.engine.prompt_logits(ids, chunk_size=chunk)
+        assert (ours - ref).abs().max().item() < 1e-4
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_tiny_greedy_matches_hf(tiny_gemma, backend):
+    llm = LLM(str(tiny_gemma), kv_cache_memory=1 << 24, dtype="float32", **_options(backend))
+    ids = llm.tokenizer.encode(PROMPT)
+    with torch.no_grad():
+        ref = _hf(tiny_gemma).generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                                       eos_token_id=None, pad_token_id=0)[0, len(ids):].tolist()
+    out = llm.generate([ids], SamplingParams(max_tokens=32, ignore_eos=True))[0]
+    assert out.token_ids == ref
+    assert len(set(ref)) > 3  # not stuck on one token
+    params = SamplingParams(max_tokens=24, ignore_eos=True, logprobs=0)
+    assert_batched_equals_single(llm, [PROMPT, PROMPT * 2, "A short one"], params)
+
+
+def test_native_layout_and_its_checks(tiny_gemma):
+    llm = LLM(str(tiny_gemma), kv_cache_memory=1 << 24, dtype="float32")
+    lay = llm.engine.layout
+    for l, kind in enumerate(LAYER_TYPES):
+        want = HeadSpec("window", 0, WINDOW) if kind == "sliding_attention" else HeadSpec("full")
+        assert lay.heads[l] == [want, want]
+    assert llm.engine.max_model_len == 512  # not clamped to the window: the layout models it
+    shape = lay.shape
+    with pytest.raises(LayoutError, match="sliding window"):
+        LLM(str(tiny_gemma), head_layout="full", kv_cache_memory=1 << 24)
+    wider = HeadLayout("wider", *shape, [[HeadSpec("window", 0, 2 * WINDOW)] * 2 if t == "sliding_attention"
+                                         else [HeadSpec("full")] * 2 for t in LAYER_TYPES])
+    with pytest.raises(LayoutError, match="layer 0 KV head 0"):
+        LLM(str(tiny_gemma), head_layout=wider, kv_cache_memory=1 << 24)
+    with pytest.raises(ConfigError, match="rotary base"):
+        LLM(str(tiny_gemma), window_positions="rebased", kv_cache_memory=1 << 24)
+    # A calibrated layout may give a full-attention layer's heads sink + window.
+    heads = [list(r) for r in lay.heads]
+    heads[2] = [HeadSpec("full"), HeadSpec("window", 4, 8)]
+    split = LLM(str(tiny_gemma), head_layout=HeadLayout("split", *shape, heads), kv_cache_memory=1 << 24,
+                dtype="float32")
+    ids = split.tokenizer.encode(PROMPT * 2)
+    out = split.generate([ids], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+
+
+def test_config_defaults_and_errors():
+    assert [i for i, t in enumerate(gemma3_layer_types(18)) if t == "full_attention"] == [5, 11, 17]
+    base = dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,
+                num_hidden_layers=12, num_attention_heads=2, num_key_value_heads=1, head_dim=4,
+                sliding_window=32)
+    cfg = ModelConfig.from_hf(base)  # no layer_types, no rotary bases: Gemma 3's defaults
+    assert cfg.architecture == "gemma3" and cfg.sliding_layers == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10]
+    assert cfg.rope_theta_of(0) == 10000.0 and cfg.rope_theta_of(5) == cfg.rope_theta == 1e6
+    assert cfg.hidden_act == "gelu_tanh" and cfg.attention_scale == 1 / 16  # transformers' default scalar, 256
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf(dict(base, layer_types=["sliding_attention"] * 3))
+    with pytest.raises(ValueError, match="activation"):
+        ModelConfig.from_hf(dict(base, hidden_activation="relu"))
+
+
+def test_gguf_reader_matches_gguf_package(tmp_path):
+    from gguf import GGUFReader
+
+    from headwise.weights.loader import default_model_path
+
+    path = default_model_path()
+    ours, ref = GGUFFile(path), GGUFReader(str(path))
+    for key, field in ref.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        want = field.contents()
+        got = ours.get(key)
+        if isinstance(want, list) and want and isinstance(want[0], str):
+            assert len(got) == len(want)  # string arrays are counted, not decoded
+        else:
+            assert (list(got) if isinstance(got, np.ndarray) else got) == want, key
+    assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+    for a, b in zip(ours.tensors[:12], ref.tensors[:12]):
+        from gguf.quants import dequantize
+
+        want = dequantize(b.data, b.tensor_type).reshape(tuple(reversed(b.shape.tolist())))
+        assert np.array_equal(a.dequantize(), want)
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(GGUFFormatError, match="truncated"):
+        GGUFFile(cut)
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGML" + bytes(64))
+    with pytest.raises(GGUFFormatError, match="not a GGUF"):
+        GGUFFile(bad)
+
+
+def test_unknown_model_name_lists_known_ones():
+    with pytest.raises(FileNotFoundError, match="gemma-3-270m"):
+        LLM("gemma-3-999m")
