@@ -5,6 +5,8 @@ from __future__ import annotations
 import ctypes
 import time
 
+UBATCH = 512  # llama.cpp micro-batch, in every context the benchmarks make
+
 
 def batched_decode(system, context: int, num_seqs: int, steps: int) -> float:
     import llama_cpp as lc
@@ -15,10 +17,11 @@ def batched_decode(system, context: int, num_seqs: int, steps: int) -> float:
     per_seq = -(-(context + steps + 8) // 256) * 256  # llama.cpp rounds n_ctx per sequence to 256
     cp.n_ctx = num_seqs * per_seq
     cp.n_batch = 2048
-    cp.n_ubatch = 512
+    cp.n_ubatch = UBATCH
     cp.n_seq_max = num_seqs
     cp.n_threads = cp.n_threads_batch = system.threads
     cp.kv_unified = False
+    cp.swa_full = system.swa_cells is None  # a model's sliding-window layers keep only the window
     ctx = lc.llama_init_from_model(model, cp)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context of that size")

@@ -6,6 +6,7 @@ import time
 import torch
 
 from benchmarks.common import headwise_aggregate, headwise_single, hf_single, prompt_ids
+from benchmarks.llamacpp_batch import UBATCH
 from headwise.config import DTYPES
 
 
@@ -76,8 +77,11 @@ class TransformersSystem:
             self.tok = Tokenizer.from_path(p)
         self.hf.eval()
         c = self.hf.config
-        self.per_token = 2 * c.num_hidden_layers * c.num_key_value_heads * (
+        self.per_layer_token = 2 * c.num_key_value_heads * (
             getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads) * dt.itemsize
+        types = getattr(c, "layer_types", None) or ["full_attention"] * c.num_hidden_layers
+        self.layers, self.sliding = c.num_hidden_layers, types.count("sliding_attention")
+        self.window = getattr(c, "sliding_window", None)
         self.max_len = c.max_position_embeddings
 
     def _ids(self, L: int, new: int, salt: int = 0) -> list[int]:
@@ -87,7 +91,9 @@ class TransformersSystem:
         return hf_single(self.hf, self._ids(L, new, L), new)
 
     def kv_bytes(self, L: int) -> int:
-        return L * self.per_token  # DynamicCache: K and V (model dtype) for every layer and KV head
+        # DynamicCache: K and V (model dtype) of every token, of the window in sliding layers
+        swa = self.sliding * min(L, self.window) if self.sliding else 0
+        return ((self.layers - self.sliding) * L + swa) * self.per_layer_token
 
     def max_concurrency(self, tokens: int, budget: int) -> int:
         return budget // self.kv_bytes(min(tokens, self.max_len))
@@ -128,23 +134,23 @@ class LlamaCppSystem:
             raise Skip("llama.cpp needs a GGUF file")
         self.path = str(p)
         self.threads = torch.get_num_threads()
-        from gguf import GGUFReader
+        from headwise.weights.gguf_loader import read_config
+        from headwise.weights.gguf_file import GGUFFile
 
-        r = GGUFReader(self.path)
-        arch = r.fields["general.architecture"].contents()
-        layers = r.fields[f"{arch}.block_count"].contents()
-        kv = r.fields[f"{arch}.attention.head_count_kv"].contents()
-        heads = r.fields[f"{arch}.attention.head_count"].contents()
-        dim = r.fields[f"{arch}.embedding_length"].contents() // heads
-        self.per_token = 2 * layers * kv * dim * 2  # f16 K and V
-        self.max_len = r.fields[f"{arch}.context_length"].contents()
+        cfg = read_config(GGUFFile(self.path), p.stem)
+        self.per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # f16 K and V
+        self.layers, self.sliding = cfg.num_layers, len(cfg.sliding_layers)
+        # A model with sliding-window layers gets llama.cpp's SWA cache (swa_full off):
+        # those layers keep about window + one micro-batch of cells per sequence.
+        self.swa_cells = (cfg.sliding_window + UBATCH) if self.sliding else None
+        self.max_len = cfg.max_position_embeddings
         self.llm = None
 
     def _load(self, n_ctx: int, n_seq: int = 1):
         import llama_cpp
 
         kw = dict(model_path=self.path, n_ctx=n_ctx, n_threads=self.threads, n_threads_batch=self.threads,
-                  n_batch=min(n_ctx, 2048), n_ubatch=512, verbose=False)
+                  n_batch=min(n_ctx, 2048), n_ubatch=UBATCH, verbose=False, swa_full=self.swa_cells is None)
         if n_seq > 1:
             kw["n_seq_max"] = n_seq
         return llama_cpp.Llama(**kw)
@@ -162,7 +168,8 @@ class LlamaCppSystem:
         return times[0] - t0, (len(times) - 1) / (times[-1] - times[0])
 
     def kv_bytes(self, L: int) -> int:
-        return L * self.per_token
+        swa = 0 if self.swa_cells is None else self.sliding * min(L, self.swa_cells)
+        return ((self.layers - self.sliding) * L + swa) * self.per_layer_token
 
     def max_concurrency(self, tokens: int, budget: int) -> int:
         return budget // self.kv_bytes(min(tokens, self.max_len))
@@ -188,14 +195,21 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
     """dtype: the resolved compute dtype ("float32" | "bfloat16") shared by headwise and
     transformers; llama.cpp runs the GGUF as it is (quantized weights, f16 KV)."""
     if name in ("headwise", "headwise-int8"):
-        from headwise.layouts import shipped_layout
-        from headwise.weights.loader import DEFAULT_MODEL_NAME
+        from headwise.layouts import native_layout, shipped_layout
+        from headwise.weights.loader import model_name, read_model_config, resolve_model_path
 
-        lay = layout or (shipped_layout(DEFAULT_MODEL_NAME, (30, 3, 64)) if model is None else None)
-        if lay is None:
+        cfg = read_model_config(model)
+        known = shipped_layout(model_name(resolve_model_path(model)), (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim))
+        if layout is None and known is None and native_layout(cfg) is None:
             raise Skip("no calibrated layout for this model; run headwise calibrate and pass it")
-        return HeadwiseSystem(name, model, lay, max_context, dtype, "int8" if name.endswith("int8") else "auto")
+        # None: the engine's default, the shipped layout, else the native one (Gemma 3)
+        return HeadwiseSystem(name, model, layout, max_context, dtype, "int8" if name.endswith("int8") else "auto")
     if name == "headwise-full":
+        from headwise.weights.loader import read_model_config
+
+        if read_model_config(model).sliding_layers:
+            raise Skip("`full` is not this model's function (it has sliding-window layers); "
+                       "headwise runs its native layout")
         return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":
         return TransformersSystem(model, dtype)

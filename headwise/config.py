@@ -60,9 +60,9 @@ class EngineConfig:
     kv_cache_dtype: str = _opt("auto", "KV cache dtype of both head classes (a layout file may set "
                                "each class's own): auto (the compute dtype), bfloat16, float16, float32, "
                                "int8 (a scale per token and head), fp8_e4m3 (CUDA only)", str, KV_CACHE_DTYPES)
-    head_layout: Any = _opt(None, "full | window | PATH to a layout JSON (default: the model's "
-                            "shipped layout, else its native one if it has sliding-window layers "
-                            "(Gemma 3), else full)", str)
+    head_layout: Any = _opt(None, "full | window | native | PATH to a layout JSON (default: the "
+                            "model's shipped layout, else native). native: the model's sliding-window "
+                            "layers (Gemma 3) as window heads, every other head full", str)
     block_size: int = _opt(16, "tokens per full-head KV block", int)
     kv_cache_memory: int = _opt(1 << 30, "bytes for the KV cache (both pools); units allowed: 2GiB, "
                                 "512MiB", parse_size)

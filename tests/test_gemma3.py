@@ -191,3 +191,60 @@ def test_gemma_270m_chunked_16k_prefill_equals_one_pass():
     chunked = llm.engine.prompt_logits(ids, chunk_size=2048, positions=[16383])
     assert (one - chunked).abs().max().item() < 0.01 * one.abs().max().item()
     assert one.argmax() == chunked.argmax()
+
+
+def test_calibration_keeps_the_sliding_layers_native(tiny_gemma, tmp_path):
+    from headwise.calibration import calibrate
+    from headwise.calibration.calibrate import select_from_scores
+
+    lay = calibrate(str(tiny_gemma), full_fraction=0.5, sink=2, window=4, num_samples=2,
+                    lengths=(96,), rounds=1, progress=False, engine_options={"dtype": "float32"})
+    native = HeadSpec("window", 0, WINDOW)
+    for l, kind in enumerate(LAYER_TYPES):
+        if kind == "sliding_attention":
+            assert lay.heads[l] == [native, native] and lay.scores[l] == [None, None]
+    assert sorted(s.kind for s in lay.heads[2]) == ["full", "window"]  # 50% of the 2 candidates
+    assert all(x is not None for x in lay.scores[2])
+    f = tmp_path / "cal.json"
+    lay.save(f)
+    again = select_from_scores(HeadLayout.load(f), 0.0, sink=2, window=8)
+    assert again.heads[2] == [HeadSpec("window", 2, 8)] * 2 and again.heads[0] == [native, native]
+    llm = LLM(str(tiny_gemma), head_layout=again, kv_cache_memory=1 << 24)  # passes the native check
+    assert llm.engine.layout.num_full(2) == 0
+
+
+def test_eval_uses_the_native_layout_as_reference(tiny_gemma):
+    from headwise.evaluation.suite import run_eval
+
+    records, text = run_eval(str(tiny_gemma), None, ["ppl", "agreement"], [96], 1, False, None, None,
+                             engine_options=dict(kv_cache_memory=1 << 24, dtype="float32"))
+    assert {r.layout for r in records} == {"native"}
+    assert [r.score for r in records if r.task == "agreement"] == [1.0]
+    ppl = next(r.score for r in records if r.task == "ppl")
+    llm = LLM(str(tiny_gemma), dtype="float32", kv_cache_memory=1 << 24)
+    from headwise.evaluation.runner import prose_text
+
+    ids = llm.tokenizer.encode(prose_text())[:96]
+    logits = llm.engine.prompt_logits(ids)
+    want = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:])).exp().item()
+    assert abs(ppl - want) < 1e-3 * want
+    lp = torch.log_softmax(logits[:-1], -1).gather(1, torch.tensor(ids[1:])[:, None])[:, 0]
+    assert (llm.engine.prompt_logprobs(ids, chunk_size=7) - lp).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="sliding-window"):
+        run_eval(str(tiny_gemma), None, ["ppl"], [96], 1, True, None, None,
+                 engine_options=dict(kv_cache_memory=1 << 24))
+
+
+def test_transformers_reference_row(tiny_gemma):
+    from headwise.evaluation.reference import TransformersReference
+    from headwise.evaluation.suite import run_eval
+
+    params = SamplingParams(max_tokens=12, stop=["\n\n"])
+    ref = TransformersReference(str(tiny_gemma), torch.float32).generate([PROMPT * 2], params)[0]
+    ours = LLM(str(tiny_gemma), dtype="float32", kv_cache_memory=1 << 24).generate([PROMPT * 2], params)[0]
+    assert ref.text == ours.text
+    records, text = run_eval(str(tiny_gemma), None, ["niah", "ppl"], [96], 1, False, None, None,
+                             engine_options=dict(kv_cache_memory=1 << 24, dtype="float32"), transformers=True)
+    hf = [r for r in records if r.layout == "transformers"]
+    assert {r.task for r in hf} == {"niah"} and len(hf) == 5  # one per depth; no perplexity
+    assert text.splitlines()[0] == "| task | length | native | transformers |"

@@ -11,6 +11,11 @@ Method (training-free, measured against alternatives in README):
    once others are windowed are caught.
 The attention mass that answer positions put on the needle is recorded too (the simple
 baseline), so both rankings can be compared.
+
+On a model with sliding-window layers (Gemma 3) those layers keep their native window
+heads: only the heads of the full-attention layers are candidates, scored on top of the
+native layout, and `full_fraction` is the fraction of those heads that stays full. A
+layout stores no score (null) for a head that was not a candidate.
 """
 from __future__ import annotations
 
@@ -18,9 +23,11 @@ from dataclasses import dataclass
 
 import torch
 
-from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
+from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
 from headwise.calibration.samples import CalibSample, make_samples
+from headwise.layouts import native_layout
 from headwise.llm import LLM
+from headwise.weights.loader import read_model_config
 
 
 @dataclass
@@ -33,8 +40,9 @@ class _Probe:
     """Per-layer observer accumulating scores for one sample at a time."""
 
     def __init__(self, layer: int, o_proj: torch.Tensor, order: list[int], group: int,
-                 sink: int, window: int) -> None:
+                 sink: int, window: int, scale: float) -> None:
         self.layer, self.o_proj, self.order, self.group = layer, o_proj, order, group
+        self.scale = scale
         self.sink, self.window = sink, window
         self.rows: list[int] = []
         self.needle: list[int] = []
@@ -49,7 +57,7 @@ class _Probe:
         qq = q[rows].float().transpose(0, 1)                       # [Hq, R, D]
         kk = k.float().repeat_interleave(g, dim=1).transpose(0, 1)  # [Hq, T, D]
         vv = v.float().repeat_interleave(g, dim=1).transpose(0, 1)
-        s = qq @ kk.transpose(1, 2) / D ** 0.5                      # [Hq, R, T]
+        s = qq @ kk.transpose(1, 2) * self.scale                    # [Hq, R, T]
         j = torch.arange(T)[None, :]
         i = rows[:, None]
         causal = j <= i
@@ -67,15 +75,18 @@ class _Probe:
 
 
 def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progress=None) -> HeadScores:
-    """Score every (layer, KV head) of the engine's model on the samples."""
+    """Score every (layer, KV head) of the engine's model on the samples; zero for the
+    layers of a sliding window (not candidates, not probed)."""
     eng = llm.engine
     cfg = eng.model_config
     attn_layers = eng.model.attention_layers()
     probes = []
+    fixed = set(cfg.sliding_layers)
     for l, (layer, attn) in enumerate(zip(eng.model.model.layers, attn_layers)):
         p = _Probe(l, layer.self_attn.o_proj.dense_weight(), eng.layout.head_order(l),
-                   cfg.group_size, sink, window)
-        attn.observer = p
+                   cfg.group_size, sink, window, attn.scale)
+        if l not in fixed:
+            attn.observer = p
         probes.append(p)
     dev = torch.zeros(cfg.num_layers, cfg.num_kv_heads)
     mass = torch.zeros_like(dev)
@@ -96,10 +107,19 @@ def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progres
     return HeadScores(dev / len(samples), mass / len(samples))
 
 
-def _top(scores: torch.Tensor, k: int) -> set[tuple[int, int]]:
+def _top(scores: torch.Tensor, k: int, candidate: torch.Tensor) -> set[tuple[int, int]]:
+    # scores, candidate: [L, H]; the k best-scored candidate heads
     L, H = scores.shape
-    idx = scores.flatten().argsort(descending=True)[:k].tolist()
+    idx = scores.masked_fill(~candidate, float("-inf")).flatten().argsort(descending=True)[:k].tolist()
     return {(i // H, i % H) for i in idx}
+
+
+def _split(name: str, base: HeadLayout, candidate: torch.Tensor, full: set[tuple[int, int]],
+           sink: int, window: int, scores: list[list[float | None]] | None = None) -> HeadLayout:
+    """`base` with its candidate heads made full (those in `full`) or sink + window."""
+    heads = [[(HeadSpec("full") if (l, h) in full else HeadSpec("window", sink, window))
+              if candidate[l, h] else spec for h, spec in enumerate(row)] for l, row in enumerate(base.heads)]
+    return HeadLayout(name, *base.shape, heads, model=base.model, scores=scores)
 
 
 def _check(full_fraction: float, sink: int, window: int) -> None:
@@ -116,25 +136,30 @@ def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEF
     _check(full_fraction, sink, window)
     if scored.scores is None:
         raise ValueError(f"layout {scored.name!r} stores no calibration scores")
-    scores = torch.tensor(scored.scores)
-    k = round(full_fraction * scores.numel())
-    return HeadLayout.from_full_set(name or f"calibrated-{full_fraction:g}-w{window}", scored.shape,
-                                    _top(scores, k), sink, window, model=scored.model, scores=scored.scores)
+    candidate = torch.tensor([[x is not None for x in row] for row in scored.scores])
+    scores = torch.tensor([[0.0 if x is None else x for x in row] for row in scored.scores])
+    k = round(full_fraction * int(candidate.sum()))
+    return _split(name or f"calibrated-{full_fraction:g}-w{window}", scored, candidate,
+                  _top(scores, k, candidate), sink, window, scored.scores)
 
 
 def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int = DEFAULT_SINK,
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
               lengths: tuple[int, ...] = (1024, 2048, 3072), rounds: int = 2,
               progress: bool = True, engine_options: dict | None = None) -> HeadLayout:
-    """Find a layout keeping `full_fraction` of KV heads full. Deterministic for a seed."""
+    """Find a layout keeping `full_fraction` of the candidate KV heads full (every head,
+    or those of the full-attention layers of a model with sliding-window layers).
+    Deterministic for a seed."""
     _check(full_fraction, sink, window)
     torch.manual_seed(seed)
     opts = dict(engine_options or {})
     opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
-    llm = LLM(model, head_layout="full", **opts)
-    cfg = llm.engine.model_config
-    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
-    k = round(full_fraction * cfg.num_layers * cfg.num_kv_heads)
+    mcfg = read_model_config(model)
+    shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
+    base = native_layout(mcfg) or HeadLayout.full(shape, mcfg.name)
+    llm = LLM(model, head_layout=base, **opts)
+    candidate = torch.tensor([[s.kind == "full" for s in row] for row in base.heads])
+    k = round(full_fraction * int(candidate.sum()))
     samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
     bar = None
     if progress:
@@ -142,18 +167,17 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         bar = tqdm(total=num_samples * (1 + rounds), desc="calibrating", unit="prompt")
     first = score_heads(llm, samples, sink, window, bar)
     scores = first.deviation
-    full = _top(scores, k)
+    full = _top(scores, k, candidate)
     name = f"calibrated-{full_fraction:g}"
     for _ in range(rounds):
-        layout = HeadLayout.from_full_set(name, shape, full, sink, window, model=cfg.name)
-        split = LLM(model, head_layout=layout, **opts)
+        split = LLM(model, head_layout=_split(name, base, candidate, full, sink, window), **opts)
         again = score_heads(split, samples, sink, window, bar)
         del split
         # Blend: a head is kept if it matters with every head full or with this split.
         scores = 0.5 * first.deviation + 0.5 * again.deviation
-        full = _top(scores, k)
+        full = _top(scores, k, candidate)
     if bar is not None:
         bar.close()
-    layout = HeadLayout.from_full_set(name, shape, full, sink, window, model=cfg.name,
-                                      scores=[[round(float(x), 6) for x in row] for row in scores])
-    return layout
+    stored = [[round(float(x), 6) if c else None for x, c in zip(row, crow)]
+              for row, crow in zip(scores, candidate)]
+    return _split(name, base, candidate, full, sink, window, stored)

@@ -14,7 +14,9 @@ from headwise.evaluation.cli import int_list
 def add_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="find which KV heads stay full; write a layout JSON")
     p.add_argument("--out", required=True, help="layout JSON to write")
-    p.add_argument("--full-fraction", type=float, default=0.25)
+    p.add_argument("--full-fraction", type=float, default=0.25,
+                   help="fraction of the candidate KV heads kept full (on a model with sliding-window "
+                        "layers, such as Gemma 3, the heads of its full-attention layers)")
     p.add_argument("--sink", type=int, default=DEFAULT_SINK)
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--seed", type=int, default=0)
@@ -63,7 +65,7 @@ def plot_scores(layout: HeadLayout, path: str) -> None:
     import matplotlib.pyplot as plt
     import torch
 
-    s = torch.tensor(layout.scores)
+    s = torch.tensor([[float("nan") if x is None else x for x in row] for row in layout.scores])
     fig, ax = plt.subplots(figsize=(2 + 0.6 * layout.num_kv_heads, 1 + 0.22 * layout.num_layers))
     im = ax.imshow(s.numpy(), cmap="viridis", aspect="auto")
     for l in range(layout.num_layers):

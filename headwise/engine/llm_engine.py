@@ -6,7 +6,7 @@ import time
 import torch
 
 from headwise.cache.disk_tier import DiskTier, fingerprint
-from headwise.cache.layout import resolve_layout
+from headwise.cache.layout import HeadLayout, resolve_layout
 from headwise.cache.manager import KVCacheManager
 from headwise.config import ConfigError, EngineConfig
 from headwise.engine.model_runner import ModelRunner
@@ -19,6 +19,9 @@ from headwise.models.head_order import permute_model_heads
 from headwise.sampling import SamplingParams
 from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_model, model_identity,
                                      release_freed_heap)
+
+# Most logits prompt_logprobs holds at once (float32 elements; 2 GiB)
+LOGPROB_ELEMENTS = 1 << 29
 
 
 class PromptTooLongError(ValueError):
@@ -45,8 +48,9 @@ class LLMEngine:
         self.model_config = mcfg
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
-        self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
-                                     default=shipped_layout(mcfg.name, shape) or native_layout(mcfg))
+        native = native_layout(mcfg) or HeadLayout.full(shape, mcfg.name)
+        spec = native if config.head_layout == "native" else config.head_layout
+        self.layout = resolve_layout(spec, shape, mcfg.name, default=shipped_layout(mcfg.name, shape) or native)
         check_native_windows(self.layout, mcfg)
         if config.window_positions == "rebased" and len(self.model.model.rotaries) > 1:
             raise ConfigError("window_positions='rebased' needs one rotary base for every layer; "
@@ -193,7 +197,26 @@ class LLMEngine:
                       positions: list[int] | None = None) -> torch.Tensor:
         """Logits [len(positions), V] of the prompt at `positions` (default: every one, [T, V]),
         prefilled in chunks of `chunk_size` (default: the step token budget). Used for
-        perplexity, calibration (positions=[]) and parity checks."""
+        parity checks and calibration (positions=[])."""
+        return torch.cat(list(self._prefill_logits(ids, chunk_size, positions)))
+
+    def prompt_logprobs(self, ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Log-probabilities [T - 1] of each prompt token after the ones before it
+        (perplexity). Chunks hold at most LOGPROB_ELEMENTS logits, so a 262K vocabulary at
+        32K tokens needs 2 GiB at a time, not 34."""
+        chunk = min(chunk_size or self.config.max_num_batched_tokens,
+                    max(1, LOGPROB_ELEMENTS // self.model_config.vocab_size))
+        out, start = [], 0
+        target = torch.tensor(ids[1:] + [0])
+        for logits in self._prefill_logits(ids, chunk, None):
+            n = logits.shape[0]
+            lp = torch.log_softmax(logits, -1).gather(1, target[start: start + n, None])[:, 0]
+            out.append(lp)
+            start += n
+        return torch.cat(out)[:-1]
+
+    def _prefill_logits(self, ids: list[int], chunk_size: int | None, positions: list[int] | None):
+        # Yields each chunk's logits at the wanted positions, one prefill of `ids`.
         self.check_length(len(ids), 0)
         chunk = chunk_size or self.config.max_num_batched_tokens
         wanted = range(len(ids)) if positions is None else sorted(set(positions))
@@ -203,7 +226,6 @@ class LLMEngine:
         if not self.cache.can_allocate(len(ids)):
             raise RuntimeError("not enough free KV cache to score this sequence now")
         self.cache.allocate(seq.seq_id, 0)
-        out = []
         try:
             while seq.num_computed_tokens < len(ids):
                 start = seq.num_computed_tokens
@@ -212,11 +234,10 @@ class LLMEngine:
                 self._run_cache_copies()  # pages it took may hold evicted prefixes for the disk tier
                 rows = [p - start for p in wanted if start <= p < start + n]
                 logits, _ = self.runner.run([(seq, n)], logit_rows=rows)
-                out.append(logits)
                 seq.num_computed_tokens += n
+                yield logits
         finally:
             self.cache.free(seq.seq_id)
-        return torch.cat(out)
 
     # ---- accounting ---------------------------------------------------------------
     def kv_bytes(self, num_tokens: int) -> int:

@@ -22,7 +22,8 @@ def int_list(text: str, flag: str) -> list[int]:
 def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="long-context quality of one or more layouts")
     p.add_argument("--head-layout", action="append", default=None,
-                   help="layout to evaluate (repeatable): full | window | PATH; default: full + shipped")
+                   help="layout to evaluate (repeatable): full | window | native | PATH; default: the reference "
+                        "(full, or native for a model with sliding-window layers) + shipped")
     p.add_argument("--tasks", default=",".join(ALL_TASKS))
     p.add_argument("--lengths", default="1024,2048,4096,8000")
     p.add_argument("--seeds", type=int, default=1, help="prompts per (task, length, depth)")
@@ -33,6 +34,8 @@ def add_eval(sub) -> None:
     p.add_argument("--kv-dtypes", default="",
                    help="also run each layout with these KV cache dtypes, comma-separated "
                         f"(e.g. int8; choices {', '.join(KV_CACHE_DTYPES[1:])}); rows named LAYOUT+DTYPE")
+    p.add_argument("--transformers", action="store_true",
+                   help="add a `transformers` row: HF transformers on the same weights (passkey, niah, ruler)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot-dir", default=None)
     add_engine_args(p, exclude=("head_layout",))
@@ -51,7 +54,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
         raise ValueError(f"unknown KV cache dtype {bad[0]!r} in --kv-dtypes; choose from {', '.join(KV_CACHE_DTYPES)}")
     records, text = run_eval(args.model, args.head_layout, task_names, lengths, args.seeds,
                              args.baselines, args.json, args.plot_dir, args.rebased,
-                             engine_options(args, exclude=("model", "head_layout")), kv_dtypes)
+                             engine_options(args, exclude=("model", "head_layout")), kv_dtypes,
+                             args.transformers)
     print(text)
     return 0
 

@@ -56,8 +56,7 @@ def evaluate_layout(llm, layout_name: str, task_names, lengths, seeds: int = 1, 
                 records.append(Record(layout_name, kind, length, sum(sc) / len(sc), len(sc)))
         if "ppl" in task_names:
             ids = tok.encode(prose_text())[:length]
-            logits = llm.engine.prompt_logits(ids)
-            nll = torch.nn.functional.cross_entropy(logits[:-1], torch.tensor(ids[1:]))
+            nll = -llm.engine.prompt_logprobs(ids).mean()
             records.append(Record(layout_name, "ppl", length, math.exp(float(nll)), len(ids) - 1))
             if progress is not None:
                 progress.update(1)

@@ -7,8 +7,10 @@ from tqdm import tqdm
 from headwise.cache.layout import DEFAULT_SINK, HeadLayout, resolve_layout
 from headwise.cache.spec import CacheGeometry, KVClassSpec
 from headwise.evaluation import runner
+from headwise.evaluation.reference import REFERENCE_TASKS, TransformersReference
 from headwise.layouts import shipped_layout
 from headwise.llm import LLM
+from headwise.weights.loader import read_model_config
 
 # Prompts run one at a time (two for agreement): few ring slots, so the wide-window
 # baseline still fits the budget; one chunk per prompt.
@@ -16,7 +18,7 @@ EVAL_ENGINE_OPTIONS = dict(kv_cache_memory=1 << 30, max_num_batched_tokens=8192,
 
 
 def _name(spec, layout: HeadLayout) -> str:
-    if isinstance(spec, str) and spec in ("full", "window"):
+    if isinstance(spec, str) and spec in ("full", "window", "native"):
         return spec
     return layout.name
 
@@ -36,25 +38,35 @@ def equal_bytes_window(layout: HeadLayout, length: int, dtype: torch.dtype = tor
 
 
 def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_path, plot_dir,
-             rebased: bool = False, engine_options: dict | None = None, kv_dtypes: tuple[str, ...] = ()):
-    """rebased: also run every layout with window heads under StreamingLLM-style re-based
+             rebased: bool = False, engine_options: dict | None = None, kv_dtypes: tuple[str, ...] = (),
+             transformers: bool = False):
+    """The reference is the model's own function: `full`, or `native` for a model with
+    sliding-window layers (Gemma 3), where `full` is refused.
+    rebased: also run every layout with window heads under StreamingLLM-style re-based
     rotary positions (named "<layout>+rebased"), to measure that choice.
     kv_dtypes: also run every layout with each of these KV cache dtypes (named
-    "<layout>+<dtype>"); agreement stays measured against `full` in the options' dtype.
-    engine_options: keyword arguments of every LLM built (default EVAL_ENGINE_OPTIONS)."""
+    "<layout>+<dtype>"); agreement stays measured against the reference in the options' dtype.
+    engine_options: keyword arguments of every LLM built (default EVAL_ENGINE_OPTIONS).
+    transformers: add a `transformers` row, HF transformers on the same weights, for the
+    retrieval tasks (REFERENCE_TASKS)."""
     specs = list(layout_specs or [])
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
-    ref = LLM(model, head_layout="full", **opts)
+    sliding = bool(read_model_config(model).sliding_layers)
+    ref_name = "native" if sliding else "full"
+    if baselines and sliding:
+        raise ValueError("--baselines builds layouts over every head; this model's sliding-window "
+                         "layers must stay native, so compare calibrated layouts instead")
+    ref = LLM(model, head_layout=ref_name, **opts)
     shape, model_name = ref.layout.shape, ref.engine.model_name
     if not specs:
         shipped = shipped_layout(model_name, shape)
-        specs = ["full"] + ([shipped] if shipped is not None else [])
-    if "full" not in specs:
-        specs = ["full"] + specs
+        specs = [ref_name] + ([shipped] if shipped is not None else [])
+    if ref_name not in specs:
+        specs = [ref_name] + specs
     plan: list[tuple[str, HeadLayout, list[int], dict]] = []
     split = None
     for spec in specs:
-        lay = resolve_layout(spec, shape, model_name)
+        lay = ref.layout if spec == ref_name else resolve_layout(spec, shape, model_name)
         plan.append((_name(spec, lay), lay, lengths, {}))
         for dt in kv_dtypes:
             plan.append((f"{_name(spec, lay)}+{dt}", lay, lengths, {"kv_cache_dtype": dt}))
@@ -67,19 +79,30 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
                      HeadLayout.random(shape, split.full_fraction, seed=0), lengths, {}))
         for L in lengths:
             plan.append(("window-same-KV", equal_bytes_window(split, L, ref.engine.dtype), [L], {}))
-    per_length = (5 * sum(t in task_names for t in ("passkey", "niah")) * seeds
-                  + (3 * max(3, seeds) if "ruler" in task_names else 0)
-                  + ("ppl" in task_names) + ("agreement" in task_names))
-    bar = tqdm(total=per_length * sum(len(ls) for _, _, ls, _ in plan), desc="evaluating", unit="prompt")
+    if transformers:
+        plan.append(("transformers", None, lengths, {}))
+    ref_tasks = [t for t in task_names if t in REFERENCE_TASKS]
+
+    def prompts(names) -> int:  # prompts per length for these tasks
+        return (5 * sum(t in names for t in ("passkey", "niah")) * seeds
+                + (3 * max(3, seeds) if "ruler" in names else 0)
+                + ("ppl" in names) + ("agreement" in names))
+
+    bar = tqdm(total=sum(prompts(ref_tasks if n == "transformers" else task_names) * len(ls)
+                         for n, _, ls, _ in plan), desc="evaluating", unit="prompt")
     records, full_outputs = [], None
     for name, lay, ls, extra in plan:
-        llm = ref if name == "full" else LLM(model, **{**opts, "head_layout": lay, **extra})
-        recs, outs = runner.evaluate_layout(llm, name, task_names, ls, seeds,
-                                            None if name == "full" else full_outputs, bar)
-        if name == "full":
+        if name == "transformers":
+            llm, names = TransformersReference(model, ref.engine.dtype), ref_tasks
+        else:
+            llm = ref if name == ref_name else LLM(model, **{**opts, "head_layout": lay, **extra})
+            names = task_names
+        recs, outs = runner.evaluate_layout(llm, name, names, ls, seeds,
+                                            None if name == ref_name else full_outputs, bar)
+        if name == ref_name:
             full_outputs = outs
             if "agreement" in task_names:
-                recs += [runner.Record("full", "agreement", L, 1.0, 2) for L in ls]
+                recs += [runner.Record(ref_name, "agreement", L, 1.0, 2) for L in ls]
         records += recs
         if llm is not ref:
             del llm

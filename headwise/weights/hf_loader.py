@@ -9,13 +9,17 @@ import torch
 from headwise.models.config import ModelConfig
 
 
-def load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
-
+def read_hf_config(path: Path, name: str) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"{path} has no config.json")
-    cfg = ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=name)
+    return ModelConfig.from_hf(json.loads(cfg_file.read_text()), name=name)
+
+
+def load_hf_dir(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    cfg = read_hf_config(path, name)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weight files")

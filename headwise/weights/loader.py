@@ -11,8 +11,9 @@ import torch
 from headwise.models.config import ModelConfig, UnsupportedModelError
 from headwise.models.causal_lm import CausalLM
 from headwise.tokenizer import Tokenizer
-from headwise.weights.gguf_loader import load_gguf
-from headwise.weights.hf_loader import load_hf_dir
+from headwise.weights.gguf_file import GGUFFile
+from headwise.weights.gguf_loader import load_gguf, read_config
+from headwise.weights.hf_loader import load_hf_dir, read_hf_config
 from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, default_model_path,
                                        known_model_path)
 
@@ -51,6 +52,13 @@ def checkpoint_dtype(model: str | None) -> str | None:
     except (OSError, ValueError):
         return None  # load_model reports a missing or broken config
     return cfg.get("torch_dtype") or cfg.get("dtype")
+
+
+def read_model_config(model: str | None) -> ModelConfig:
+    """The model's config without loading its weights."""
+    path = resolve_model_path(model)
+    return read_config(GGUFFile(path), model_name(path)) if path.is_file() else \
+        read_hf_config(path, model_name(path))
 
 
 def load_model(model: str | None, dtype: torch.dtype,
