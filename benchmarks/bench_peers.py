@@ -144,8 +144,11 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=2.0)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--agg-steps", type=int, default=8)
-    ap.add_argument("--systems", default="headwise,headwise-int8,headwise-full,transformers,llama.cpp")
+    ap.add_argument("--systems", default="headwise,headwise-int8,headwise-full,transformers,llama.cpp",
+                    help="comma-separated; also headwise-native (a model's native layout) and "
+                         "headwise@LAYOUT.json")
     ap.add_argument("--out-dir", default="bench")
+    ap.add_argument("--ref", default="headwise", help="system the ratio table compares against the others")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                     help="headwise and transformers compute dtype (auto: as the engine picks it)")
     a = ap.parse_args(argv)
@@ -167,7 +170,7 @@ def main(argv=None) -> int:
         records += recs
     table = (f"Machine: {machine()}; {dtype} (headwise, transformers); KV budget {a.budget_gib:g} GiB; "
              f"median [min-max] of {a.runs} runs\n\n"
-             + ratio_table(records, skipped, "headwise"))
+             + ratio_table(records, skipped, a.ref))
     print("\n" + table)
     (out / "results.json").write_text(json.dumps(
         {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "skipped": skipped,

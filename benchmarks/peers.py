@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 
@@ -204,6 +205,11 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
             raise Skip("no calibrated layout for this model; run headwise calibrate and pass it")
         # None: the engine's default, the shipped layout, else the native one (Gemma 3)
         return HeadwiseSystem(name, model, layout, max_context, dtype, "int8" if name.endswith("int8") else "auto")
+    if name == "headwise-native":
+        return HeadwiseSystem(name, model, "native", max_context, dtype)
+    if name.startswith("headwise@"):  # headwise@LAYOUT.json: a layout of one's own, named by its file
+        path = name.split("@", 1)[1]
+        return HeadwiseSystem(f"headwise-{Path(path).stem}", model, path, max_context, dtype)
     if name == "headwise-full":
         from headwise.weights.loader import read_model_config
 

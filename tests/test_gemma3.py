@@ -248,3 +248,45 @@ def test_transformers_reference_row(tiny_gemma):
     hf = [r for r in records if r.layout == "transformers"]
     assert {r.task for r in hf} == {"niah"} and len(hf) == 5  # one per depth; no perplexity
     assert text.splitlines()[0] == "| task | length | native | transformers |"
+
+
+def test_peer_benchmark_counts_sliding_caches(tiny_gemma, tmp_path):
+    from benchmarks import peers
+
+    hf = peers.make("transformers", str(tiny_gemma), 256, dtype="float32")
+    native = peers.make("headwise-native", str(tiny_gemma), 256, dtype="float32")
+    for L in (16, 160, 256):  # within and past the window, whole blocks
+        assert native.kv_bytes(L) == hf.kv_bytes(L)  # both keep the window in sliding layers
+    lay = tmp_path / "mine.json"
+    heads = [list(r) for r in native.llm.engine.layout.heads]
+    heads[2] = [HeadSpec("window", 2, 8)] * 2
+    HeadLayout("mine", *native.llm.engine.layout.shape, heads).save(lay)
+    mine = peers.make(f"headwise@{lay}", str(tiny_gemma), 256, dtype="float32")
+    assert mine.name == "headwise-mine" and mine.kv_bytes(256) < native.kv_bytes(256)
+    with pytest.raises(peers.Skip, match="sliding-window"):
+        peers.make("headwise-full", str(tiny_gemma), 256, dtype="float32")
+
+
+def test_prefix_cache_int8_and_server_on_gemma(tiny_gemma):
+    from fastapi.testclient import TestClient
+
+    from headwise.server.app import create_app
+
+    doc = PROMPT * 4
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=0)
+    cold = LLM(str(tiny_gemma), dtype="float32", kv_cache_memory=1 << 24, block_size=4,
+               enable_prefix_caching=False).generate([doc + " First"], params)[0]
+    llm = LLM(str(tiny_gemma), dtype="float32", kv_cache_memory=1 << 24, block_size=4)
+    llm.generate([doc + " Second"], params)
+    hit = llm.generate([doc + " First"], params)[0]
+    assert hit.num_cached_tokens > 3 * WINDOW  # past the window: ring snapshots were restored
+    assert hit.token_ids == cold.token_ids
+    assert max(abs(a - b) for a, b in zip(hit.logprobs, cold.logprobs)) < 1e-4
+    q = LLM(str(tiny_gemma), dtype="float32", kv_cache_memory=1 << 24, kv_cache_dtype="int8")
+    assert q.kv_bytes(256) < 0.3 * llm.kv_bytes(256)  # int8 + a float32 scale per 256 values
+    assert len(q.generate([doc], params)[0].token_ids) == 12
+    client = TestClient(create_app(llm.engine))
+    r = client.post("/v1/completions", json={"prompt": doc + " First", "max_tokens": 12, "temperature": 0,
+                                              "ignore_eos": True})
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == cold.text
