@@ -108,6 +108,8 @@ def test_config_defaults_and_errors():
         ModelConfig.from_hf(dict(base, layer_types=["sliding_attention"] * 3))
     with pytest.raises(ValueError, match="activation"):
         ModelConfig.from_hf(dict(base, hidden_activation="relu"))
+    with pytest.raises(ValueError, match="multimodal"):
+        ModelConfig.from_hf({"model_type": "gemma3", "text_config": base, "vision_config": {}})
 
 
 def test_gguf_reader_matches_gguf_package(tmp_path):

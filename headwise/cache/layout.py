@@ -49,6 +49,9 @@ class HeadSpec:
             if not isinstance(self.sink, int) or self.sink < 0:
                 raise LayoutError(f"sink must be an integer >= 0, got {self.sink!r}")
 
+    def __str__(self) -> str:
+        return "full" if self.kind == "full" else f"window (sink {self.sink}, window {self.window})"
+
     @property
     def ring_size(self) -> int:
         return self.sink + self.window if self.kind == "window" else 0

@@ -42,8 +42,8 @@ def check_native_windows(layout: HeadLayout, cfg: ModelConfig) -> None:
         bad = [h for h, s in enumerate(layout.heads[l]) if s != want]
         if bad:
             raise LayoutError(
-                f"head layout {layout.name!r} gives layer {l} KV head {bad[0]} of {cfg.name} the "
-                f"class {layout.heads[l][bad[0]]}, but that layer attends through a "
+                f"head layout {layout.name!r} makes layer {l} KV head {bad[0]} of {cfg.name} "
+                f"{layout.heads[l][bad[0]]}, but that layer attends through a "
                 f"{cfg.sliding_window}-token sliding window as trained; a layout must keep its "
                 f"heads window heads with sink 0 and window {cfg.sliding_window} (the native "
                 f"layout, the default for this model, does; `full` is not this model's function)")

@@ -107,6 +107,10 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], name: str = "model") -> "ModelConfig":
+        if "text_config" in cfg:
+            raise UnsupportedModelError(
+                f"{cfg.get('model_type')!r} is a multimodal checkpoint; headwise runs text models "
+                "(for Gemma 3: a Gemma3ForCausalLM checkpoint, model_type gemma3_text, or its GGUF)")
         arch = ARCHITECTURE_ALIASES.get(cfg.get("model_type", ""), cfg.get("model_type", ""))
         if arch not in SUPPORTED_ARCHITECTURES:
             archs = cfg.get("architectures") or [arch]
