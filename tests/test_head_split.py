@@ -325,3 +325,24 @@ def test_attend_returns_log_sum_exp(fused):
     s = ((q @ k.transpose(-1, -2)) * 0.3).masked_fill(~mask, float("-inf"))
     assert torch.allclose(lse, torch.logsumexp(s, -1), atol=1e-5)
     assert torch.allclose(o, torch.softmax(s, -1) @ v, atol=1e-5)
+
+
+@pytest.mark.parametrize("n,g,runs", [(1, 4, [5000]), (2, 3, [2048]), (3, 1, [4099]), (1, 2, [100]),
+                                      (1, 4, [7, 3000, 16, 2500]), (2, 2, [16] * 40)])
+def test_split_decode_attention_equals_one_pass(n, g, runs):
+    """Decode over a cache held in runs of slots, each run attended on its own (long ones
+    in pieces) and merged by log-sum-exp (split_attention), equals attending the whole
+    cache in one pass, in float32 and in bfloat16."""
+    import torch.nn.functional as F
+
+    from headwise.layers.torch_attention import split_attention
+
+    gen = torch.Generator().manual_seed(sum(runs))
+    L = sum(runs)
+    q, k, v = (torch.randn(*shape, 64, generator=gen) for shape in ((n, g), (n, L), (n, L)))
+    ref = F.scaled_dot_product_attention(q[None], k[None], v[None], scale=0.1)[0]
+    cuts = torch.tensor([0] + runs).cumsum(0).tolist()
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        parts = [(k[:, a:b].to(dt), v[:, a:b].to(dt)) for a, b in zip(cuts, cuts[1:])]
+        got = split_attention(q.to(dt), parts, 0.1).float()
+        assert (got - ref).abs().max().item() < tol

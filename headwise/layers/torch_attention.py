@@ -23,32 +23,70 @@ from headwise.layers.kv_tensor import KVTensor
 NAME = "torch"
 # Full heads read slot runs and gathered slots; window heads read band masks.
 PAGED = False
+# Decode over a run of at least SPLIT_MIN_LEN cached tokens is split into SPLIT_PARTS
+# pieces per thread; a sequence over more than MAX_RUNS runs of slots is gathered first
+# (split_attention).
+SPLIT_MIN_LEN = 2048
+SPLIT_PARTS = 2
+MAX_RUNS = 32
 
 
 # ---- full heads: paged blocks -----------------------------------------------------
 def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
-    # q: [B, nf*g, D]; k_cache, v_cache: [nf, slots, D]. A sequence whose slots form one
-    # run attends over a view of the pool (no copy); scattered runs are concatenated
-    # first. Its g query heads per KV head are the query rows of one fused SDPA call (in
-    # bfloat16 ~3x faster on CPU than matmul + softmax + matmul). A quantized pool is
-    # attended in its stored form (scaled_attention, float32).
+    # q: [B, nf*g, D]; k_cache, v_cache: [nf, slots, D]. A sequence attends over views of
+    # the pool, one per run of consecutive slots (no copy), merged by log-sum-exp
+    # (split_attention); only a sequence scattered over more than MAX_RUNS runs is
+    # concatenated first. Its g query heads per KV head are the query rows of one fused
+    # SDPA call (in bfloat16 ~3x faster on CPU than matmul + softmax + matmul). A
+    # quantized pool is attended in its stored form (scaled_attention, float32).
     B, H, D = q.shape
     nf = k_cache.shape[0]
     out = torch.empty_like(q)
     for i in range(B):
         r = ctx.decode_runs[i]
-        if len(r) == 1:
-            at = (slice(None), slice(r[0][0], r[0][0] + r[0][1]))
-            k, v = k_cache[at], v_cache[at]  # [nf, L, D] views
-        else:
-            k, v = (KVTensor.cat([c[:, a:a + n] for a, n in r], 1) for c in (k_cache, v_cache))
         qi = q[i].view(nf, H // nf, D)
-        if k.quantized:
-            out[i] = scaled_attention(qi, k, v, scale).view(H, D)
+        if k_cache.quantized or len(r) > MAX_RUNS:
+            k, v = (c[:, r[0][0]:r[0][0] + r[0][1]] if len(r) == 1 else
+                    KVTensor.cat([c[:, a:a + n] for a, n in r], 1) for c in (k_cache, v_cache))
+            out[i] = (scaled_attention(qi, k, v, scale) if k.quantized
+                      else split_attention(qi, [(k.load(), v.load())], scale)).view(H, D)
             continue
-        o = F.scaled_dot_product_attention(qi[None], k.load()[None], v.load()[None], scale=scale)
-        out[i] = o.view(H, D)
+        runs = [(k_cache[:, a:a + n].load(), v_cache[:, a:a + n].load()) for a, n in r]  # [nf, n, D] views
+        out[i] = split_attention(qi, runs, scale).view(H, D)
     return out
+
+
+def split_attention(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]],
+                    scale: float) -> torch.Tensor:
+    """One sequence's decode attention, q [n, g, D] over the concatenation of the runs'
+    k, v [n, L_i, D] -> [n, g, D], without concatenating them.
+
+    Each run is attended on its own and the results merged by their log-sum-exp, as
+    flash-decoding does on GPUs. PyTorch's CPU flash kernel parallelises over (batch,
+    head, query block), so a decode call with one KV head (Gemma 3 has one per layer) is
+    one task on one core; a long run is therefore also cut into SPLIT_PARTS * threads
+    pieces attended as a batch (strided views)."""
+    if len(runs) == 1 and runs[0][0].shape[1] < SPLIT_MIN_LEN:
+        k, v = runs[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    outs, lses = [], []
+    parts = SPLIT_PARTS * torch.get_num_threads()
+    for k, v in runs:
+        n, L, D = k.shape
+        c = L // parts if L >= SPLIT_MIN_LEN and parts > 1 and k.stride(-2) == D else 0
+        if c:  # [n, L, D] -> [parts, n, c, D] views of the first parts * c rows
+            def pieces(x):
+                return x[:, :parts * c].unflatten(1, (parts, c)).transpose(0, 1)
+
+            o, lse = flash(q[None].expand(parts, *q.shape), pieces(k), pieces(v), 0.0, False, scale=scale)[:2]
+            outs.append(o), lses.append(lse)
+            k, v = k[:, parts * c:], v[:, parts * c:]
+        if k.shape[1]:
+            o, lse = flash(q[None], k[None], v[None], 0.0, False, scale=scale)[:2]  # [1, n, g, D], [1, n, g]
+            outs.append(o), lses.append(lse)
+    w = torch.softmax(torch.cat(lses), dim=0).unsqueeze(-1)  # [pieces, n, g, 1]: each piece's share
+    return (torch.cat(outs).float() * w).sum(0).to(q.dtype)
 
 
 def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
