@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test bench bench-engine bench-split clean
+.PHONY: install demo test bench bench-gemma bench-engine bench-split clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -30,6 +30,14 @@ bench: $(STAMP)
 	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python \
 		|| echo "llama-cpp-python did not build; the llama.cpp column will be skipped"
 	$(PY) benchmarks/bench_peers.py
+
+# Gemma 3 270M at 8K-32K: its native layout against llama.cpp's and transformers'
+# sliding-window caches (about an hour; transformers alone takes 6.6 min per 32K prefill).
+bench-gemma: $(STAMP)
+	$(PY) -c "import llama_cpp" 2>/dev/null || $(PIP) install -q llama-cpp-python \
+		|| echo "llama-cpp-python did not build; the llama.cpp column will be skipped"
+	$(PY) benchmarks/bench_peers.py --model gemma-3-270m --contexts 8192,16384,32768 --runs 1 \
+		--systems headwise-native,headwise-int8,llama.cpp,transformers --ref headwise-native --out-dir bench/gemma
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

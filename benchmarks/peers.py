@@ -65,14 +65,15 @@ class TransformersSystem:
     def __init__(self, model: str | None, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from headwise.weights.loader import resolve_model_path
         from headwise.tokenizer import Tokenizer
+        from headwise.weights.loader import resolve_model_path
+        from headwise.weights.registry import cache_dir
 
         p = resolve_model_path(model)
         dt = DTYPES[dtype]
         if p.is_file():
             self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt)
-            self.tok = Tokenizer.from_path(p.parent, p.name)
+            self.tok = Tokenizer.from_path(p.parent, p.name, cache=cache_dir())
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
             self.tok = Tokenizer.from_path(p)

@@ -292,3 +292,21 @@ def test_prefix_cache_int8_and_server_on_gemma(tiny_gemma):
                                               "ignore_eos": True})
     assert r.status_code == 200, r.text
     assert r.json()["choices"][0]["text"] == cold.text
+
+
+def test_gguf_tokenizer_is_cached_once(tmp_path):
+    from headwise.tokenizer import Tokenizer
+    from headwise.weights.loader import default_model_path
+
+    path = default_model_path()
+    text = "Hello world, the special magic number for Paris is 12345.\n\nünïcode 日本"
+    first = Tokenizer.from_path(path.parent, path.name, cache=tmp_path)
+    saved = list((tmp_path / "tokenizers").iterdir())
+    assert len(saved) == 1 and (saved[0] / "tokenizer_config.json").is_file()
+    again = Tokenizer.from_path(path.parent, path.name, cache=tmp_path)
+    assert again.encode(text) == first.encode(text) and again.eos_token_id == first.eos_token_id
+    assert again.decode(first.encode(text)) == first.decode(first.encode(text))
+    assert again.apply_chat_template([{"role": "user", "content": "hi"}]) == \
+        first.apply_chat_template([{"role": "user", "content": "hi"}])
+    (saved[0] / "tokenizer_config.json").write_text("{not json")  # a damaged cache entry is rebuilt
+    assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)

@@ -14,8 +14,8 @@ from headwise.tokenizer import Tokenizer
 from headwise.weights.gguf_file import GGUFFile
 from headwise.weights.gguf_loader import load_gguf, read_config
 from headwise.weights.hf_loader import load_hf_dir, read_hf_config
-from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, default_model_path,
-                                       known_model_path)
+from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, cache_dir,
+                                       default_model_path, known_model_path)
 
 
 def resolve_model_path(model: str | None) -> Path:
@@ -69,7 +69,7 @@ def load_model(model: str | None, dtype: torch.dtype,
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is neither a .gguf file nor a model directory")
         cfg, state = load_gguf(path, name)
-        tokenizer = Tokenizer.from_path(path.parent, gguf_file=path.name)
+        tokenizer = Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir())
     else:
         cfg, state = load_hf_dir(path, name)
         tokenizer = Tokenizer.from_path(path)
