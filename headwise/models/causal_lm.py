@@ -23,7 +23,7 @@ class Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         layer_cls = LAYER_CLASSES.get(cfg.architecture, DecoderLayer)
-        self.layers = nn.ModuleList(layer_cls(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, upcast=cfg.sandwich_norms)
         self.embed_scale = cfg.hidden_size ** 0.5 if cfg.scale_embeddings else None
         # Each layer's rotary base; layers sharing one share its tables in a step.

@@ -15,7 +15,7 @@ from headwise.models.llama import MLP, SelfAttention
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+    def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hidden, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.input_layernorm = RMSNorm(hidden, eps, upcast=True)
