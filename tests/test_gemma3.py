@@ -310,3 +310,16 @@ def test_gguf_tokenizer_is_cached_once(tmp_path):
         first.apply_chat_template([{"role": "user", "content": "hi"}])
     (saved[0] / "tokenizer_config.json").write_text("{not json")  # a damaged cache entry is rebuilt
     assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
+
+
+def test_native_keyword_resolves_for_any_model():
+    from headwise.cache.layout import resolve_layout
+    from headwise.layouts import native_layout
+
+    cfg = ModelConfig.from_hf(dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,
+                                   num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                                   head_dim=4, sliding_window=32))
+    native = native_layout(cfg)
+    assert resolve_layout("native", native.shape, cfg.name, native=native) is native
+    plain = resolve_layout("native", (2, 3, 4), "llama")  # no sliding layers: every head full
+    assert plain.full_fraction == 1.0 and plain.shape == (2, 3, 4)

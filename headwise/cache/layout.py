@@ -227,12 +227,16 @@ class HeadLayout:
 
 
 def resolve_layout(spec: "str | HeadLayout | None", shape: tuple[int, int, int], model: str,
-                   default: "HeadLayout | None" = None) -> HeadLayout:
-    """`full`, `window`, a file path or a HeadLayout -> a HeadLayout checked against the model."""
+                   default: "HeadLayout | None" = None, native: "HeadLayout | None" = None) -> HeadLayout:
+    """`full`, `window`, `native`, a file path or a HeadLayout -> a HeadLayout checked
+    against the model. `native`: the model's own layout (layouts.native_layout), `full`
+    for a model without sliding-window layers."""
     if spec is None:
         layout = default or HeadLayout.full(shape, model)
     elif isinstance(spec, HeadLayout):
         layout = spec
+    elif spec == "native":
+        layout = native or HeadLayout.full(shape, model)
     elif spec == "full":
         layout = HeadLayout.full(shape, model)
     elif spec == "window":

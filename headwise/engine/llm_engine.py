@@ -6,7 +6,7 @@ import time
 import torch
 
 from headwise.cache.disk_tier import DiskTier, fingerprint
-from headwise.cache.layout import HeadLayout, resolve_layout
+from headwise.cache.layout import resolve_layout
 from headwise.cache.manager import KVCacheManager
 from headwise.config import ConfigError, EngineConfig
 from headwise.engine.model_runner import ModelRunner
@@ -48,9 +48,9 @@ class LLMEngine:
         self.model_config = mcfg
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
-        native = native_layout(mcfg) or HeadLayout.full(shape, mcfg.name)
-        spec = native if config.head_layout == "native" else config.head_layout
-        self.layout = resolve_layout(spec, shape, mcfg.name, default=shipped_layout(mcfg.name, shape) or native)
+        native = native_layout(mcfg)
+        self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
+                                     default=shipped_layout(mcfg.name, shape) or native, native=native)
         check_native_windows(self.layout, mcfg)
         if config.window_positions == "rebased" and len(self.model.model.rotaries) > 1:
             raise ConfigError("window_positions='rebased' needs one rotary base for every layer; "

@@ -8,7 +8,7 @@ from headwise.cache.layout import DEFAULT_SINK, HeadLayout, resolve_layout
 from headwise.cache.spec import CacheGeometry, KVClassSpec
 from headwise.evaluation import runner
 from headwise.evaluation.reference import REFERENCE_TASKS, TransformersReference
-from headwise.layouts import shipped_layout
+from headwise.layouts import native_layout, shipped_layout
 from headwise.llm import LLM
 from headwise.weights.loader import read_model_config
 
@@ -51,9 +51,9 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
     retrieval tasks (REFERENCE_TASKS)."""
     specs = list(layout_specs or [])
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
-    sliding = bool(read_model_config(model).sliding_layers)
-    ref_name = "native" if sliding else "full"
-    if baselines and sliding:
+    native = native_layout(read_model_config(model))
+    ref_name = "native" if native else "full"
+    if baselines and native:
         raise ValueError("--baselines builds layouts over every head; this model's sliding-window "
                          "layers must stay native, so compare calibrated layouts instead")
     ref = LLM(model, head_layout=ref_name, **opts)
@@ -66,7 +66,7 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
     plan: list[tuple[str, HeadLayout, list[int], dict]] = []
     split = None
     for spec in specs:
-        lay = ref.layout if spec == ref_name else resolve_layout(spec, shape, model_name)
+        lay = resolve_layout(spec, shape, model_name, native=native)
         plan.append((_name(spec, lay), lay, lengths, {}))
         for dt in kv_dtypes:
             plan.append((f"{_name(spec, lay)}+{dt}", lay, lengths, {"kv_cache_dtype": dt}))

@@ -115,10 +115,11 @@ class Linear(nn.Module):
         # x: [..., in] -> [..., out]; act (ACTIVATIONS) applied to the result.
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
-        if self.packed is not None and not self._small(x):
+        small = self._small(x)
+        if self.packed is not None and not small:
             attr, algorithm = ACTIVATIONS[act]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
-        y = self._int4_mm(x) if self._small(x) else F.linear(x, self.weight, self.bias)
+        y = self._int4_mm(x) if small else F.linear(x, self.weight, self.bias)
         if act == "silu":
             return F.silu(y)
         return F.gelu(y, approximate="tanh") if act == "gelu_tanh" else y

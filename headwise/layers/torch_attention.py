@@ -45,15 +45,23 @@ def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale
     for i in range(B):
         r = ctx.decode_runs[i]
         qi = q[i].view(nf, H // nf, D)
-        if k_cache.quantized or len(r) > MAX_RUNS:
-            k, v = (c[:, r[0][0]:r[0][0] + r[0][1]] if len(r) == 1 else
-                    KVTensor.cat([c[:, a:a + n] for a, n in r], 1) for c in (k_cache, v_cache))
-            out[i] = (scaled_attention(qi, k, v, scale) if k.quantized
-                      else split_attention(qi, [(k.load(), v.load())], scale)).view(H, D)
-            continue
-        runs = [(k_cache[:, a:a + n].load(), v_cache[:, a:a + n].load()) for a, n in r]  # [nf, n, D] views
-        out[i] = split_attention(qi, runs, scale).view(H, D)
+        if k_cache.quantized:
+            o = scaled_attention(qi, _gather(k_cache, r), _gather(v_cache, r), scale)
+        elif len(r) > MAX_RUNS:
+            o = split_attention(qi, [(_gather(k_cache, r).load(), _gather(v_cache, r).load())], scale)
+        else:
+            o = split_attention(qi, [(k_cache[:, a:a + n].load(), v_cache[:, a:a + n].load()) for a, n in r],
+                                scale)  # views [nf, n, D] of the pool
+        out[i] = o.view(H, D)
     return out
+
+
+def _gather(cache: KVTensor, runs: list[tuple[int, int]]) -> KVTensor:
+    """[nf, L, D] of a sequence's runs of slots: a view for one run, else a copy."""
+    if len(runs) == 1:
+        (a, n), = runs
+        return cache[:, a:a + n]
+    return KVTensor.cat([cache[:, a:a + n] for a, n in runs], 1)
 
 
 def split_attention(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]],
@@ -76,10 +84,8 @@ def split_attention(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor
         n, L, D = k.shape
         c = L // parts if L >= SPLIT_MIN_LEN and parts > 1 and k.stride(-2) == D else 0
         if c:  # [n, L, D] -> [parts, n, c, D] views of the first parts * c rows
-            def pieces(x):
-                return x[:, :parts * c].unflatten(1, (parts, c)).transpose(0, 1)
-
-            o, lse = flash(q[None].expand(parts, *q.shape), pieces(k), pieces(v), 0.0, False, scale=scale)[:2]
+            kp, vp = (x[:, :parts * c].unflatten(1, (parts, c)).transpose(0, 1) for x in (k, v))
+            o, lse = flash(q[None].expand(parts, *q.shape), kp, vp, 0.0, False, scale=scale)[:2]
             outs.append(o), lses.append(lse)
             k, v = k[:, parts * c:], v[:, parts * c:]
         if k.shape[1]:

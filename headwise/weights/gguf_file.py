@@ -118,8 +118,8 @@ class GGUFFile:
         etype, n = self._unpack("<IQ")
         if etype in _SCALARS:
             dt = np.dtype(_SCALARS[etype])
-            return self._take(n * dt.itemsize).view(dt).tolist() if n <= 4096 else \
-                self._take(n * dt.itemsize).view(dt)
+            values = self._take(n * dt.itemsize).view(dt)
+            return values.tolist() if n <= 4096 else values  # long ones stay a view of the file
         if etype == _STRING:  # skipped: each is a length and that many bytes
             for _ in range(n):
                 (length,) = self._unpack("<Q")
