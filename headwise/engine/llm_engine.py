@@ -28,6 +28,26 @@ class PromptTooLongError(ValueError):
     pass
 
 
+def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
+    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
+        raise TypeError("a prompt must be a string or a list of token ids")
+    bad = [t for t in prompt if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
+    return list(prompt)
+
+
+def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+    if num_prompt_tokens == 0:
+        raise PromptTooLongError("the prompt is empty")
+    if num_prompt_tokens + max_tokens > max_model_len:
+        raise PromptTooLongError(
+            f"this model's maximum context length is {max_model_len} tokens, but the "
+            f"request asks for {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+            f"the prompt, {max_tokens} for the completion)"
+        )
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, loaded: tuple | None = None) -> None:
         """`loaded`: an already built (CausalLM, tokenizer) on the config's device and
@@ -89,22 +109,10 @@ class LLMEngine:
     def encode(self, prompt: "str | list[int]") -> list[int]:
         if isinstance(prompt, str):
             return self.tokenizer.encode(prompt)
-        if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-            raise TypeError("a prompt must be a string or a list of token ids")
-        bad = [t for t in prompt if not 0 <= t < self.model_config.vocab_size]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {self.model_config.vocab_size})")
-        return list(prompt)
+        return check_token_ids(prompt, self.model_config.vocab_size)
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
-        if num_prompt_tokens == 0:
-            raise PromptTooLongError("the prompt is empty")
-        if num_prompt_tokens + max_tokens > self.max_model_len:
-            raise PromptTooLongError(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the "
-                f"request asks for {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
-                f"the prompt, {max_tokens} for the completion)"
-            )
+        check_length(num_prompt_tokens, max_tokens, self.max_model_len)
 
     def add_request(self, prompt: "str | list[int]", params: SamplingParams,
                     request_id: str | None = None) -> Sequence:

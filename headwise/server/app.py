@@ -17,7 +17,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from headwise.engine.llm_engine import LLMEngine, PromptTooLongError
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import protocol as P
-from headwise.server.async_engine import AsyncEngine, ShuttingDownError, Update
+from headwise.server.async_engine import AsyncEngine
+from headwise.server.engine_client import EngineClient, ShuttingDownError, Update
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -27,27 +28,29 @@ def _error(e: P.APIError) -> JSONResponse:
     return JSONResponse(e.body(), status_code=e.status)
 
 
-def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queue: int | None = None,
-               api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
-    """The app over one engine. api_key: required as a Bearer token on /v1/*, /tokenize,
-    /detokenize and /reset_prefix_cache (/health and /metrics stay open)."""
-    aeng = AsyncEngine(engine, max_queue)
+def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None = None,
+               max_queue: int | None = None, api_key: str | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+    """The app over one engine (run on a thread here) or an EngineClient (e.g. Ray Serve
+    replicas). api_key: required as a Bearer token on /v1/*, /tokenize, /detokenize and
+    /reset_prefix_cache (/health and /metrics stay open). max_queue: an LLMEngine's only."""
+    aeng = AsyncEngine(engine, max_queue) if isinstance(engine, LLMEngine) else engine
+    model = aeng.model
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
         yield
-        aeng.shutdown()
-        engine.close()  # cached prefixes to the KV offload directory, if there is one
+        aeng.close()
 
     app = FastAPI(title="headwise", version="0.1.0", docs_url=None, redoc_url=None, lifespan=lifespan,
                   description="OpenAI-compatible API of the headwise engine")
     app.add_middleware(GuardMiddleware, max_bytes=max_request_bytes)
     app.state.engine = aeng
-    name = served_model_name or engine.model_name
+    name = served_model_name or model.name
     created = int(time.time())
-    tok = engine.tokenizer
-    vocab = engine.model_config.vocab_size
-    max_chars = engine.max_model_len * max_chars_per_token(tok)
+    tok = model.tokenizer
+    vocab = model.vocab_size
+    max_chars = model.max_model_len * max_chars_per_token(tok)
     api = APIRouter(dependencies=[Depends(api_key_dependency(api_key))], responses=P.ERRORS)
 
     @app.exception_handler(P.APIError)
@@ -66,19 +69,17 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
 
     @app.get("/health")
     async def health():
-        if not aeng.alive:
-            return JSONResponse({"status": "dead"}, status_code=503)
-        return {"status": "ok"}
+        ok, body = await aeng.health()
+        return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/metrics")
     async def metrics():
-        aeng._publish_state()
-        return Response(aeng.metrics.render(), media_type="text/plain; version=0.0.4")
+        return Response(await aeng.metrics_text(), media_type="text/plain; version=0.0.4")
 
     @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": created,
-                                             "owned_by": "headwise", "max_model_len": engine.max_model_len}]}
+                                             "owned_by": "headwise", "max_model_len": model.max_model_len}]}
 
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache():
@@ -90,7 +91,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
         # Cheap and certain: no tokenization of this many characters fits the context.
         if chars > max_chars:
             raise P.APIError(400, f"the prompt has {chars} characters, more than any prompt of at most "
-                             f"{engine.max_model_len} tokens can have; shorten it", param,
+                             f"{model.max_model_len} tokens can have; shorten it", param,
                              "context_length_exceeded")
 
     async def _chat_ids(messages: list[P.ChatMessage]) -> list[int]:
@@ -110,7 +111,7 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
             ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
         else:
             raise P.bad("give prompt (a string) or messages", "prompt")
-        return {"tokens": ids, "count": len(ids), "max_model_len": engine.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": model.max_model_len}
 
     @api.post("/detokenize", response_model=P.DetokenizeResponse)
     async def detokenize(req: P.DetokenizeRequest):
@@ -127,22 +128,16 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
         if any(t >= vocab for t in req.params.stop_token_ids):
             raise P.bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
         if chat and not req.max_tokens_given:
-            req.params.max_tokens = max(1, engine.max_model_len - len(ids))
+            req.params.max_tokens = max(1, model.max_model_len - len(ids))
         try:
-            engine.check_length(len(ids), req.params.max_tokens)
-            ids = engine.encode(ids)
-            cap = engine.cache.max_tokens_per_seq()
-            if len(ids) + req.params.max_tokens > cap:
-                raise PromptTooLongError(
-                    f"the request needs KV for {len(ids)} + {req.params.max_tokens} tokens but the KV cache "
-                    f"holds at most {cap} tokens per sequence")
+            ids = model.check(ids, req.params.max_tokens)
         except PromptTooLongError as e:
             raise P.APIError(400, str(e), "max_tokens" if len(ids) else "prompt", "context_length_exceeded") from None
         except ValueError as e:
             raise P.bad(str(e), "prompt") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         try:
-            return rid, aeng.submit(ids, req.params, rid)
+            return rid, await aeng.submit(ids, req.params, rid)
         except QueueFullError as e:
             raise P.APIError(503, str(e), None, "queue_full") from None
         except ShuttingDownError as e:
@@ -284,8 +279,8 @@ def create_app(engine: LLMEngine, served_model_name: str | None = None, max_queu
 
 def _engine_error(u: Update) -> P.APIError:
     if u.error_status == 503:
-        return P.APIError(503, u.error, None, "shutting_down")
-    return P.APIError(500, u.error, None, "engine_error", "server_error")
+        return P.APIError(503, u.error, None, u.error_code or "shutting_down")
+    return P.APIError(500, u.error, None, u.error_code or "engine_error", "server_error")
 
 
 def serve(engine: LLMEngine, host: str, port: int, max_queue: int | None,

@@ -10,35 +10,17 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-from dataclasses import dataclass
 
 from headwise.engine.llm_engine import LLMEngine
 from headwise.engine.scheduler import QueueFullError
 from headwise.engine.sequence import Sequence
 from headwise.sampling import SamplingParams
+from headwise.server.engine_client import (EngineClient, RequestStream, ServedModel, ShuttingDownError,
+                                           Update)
 from headwise.server.metrics import Metrics
 
 
-@dataclass
-class Update:
-    text: str                      # new text since the last update
-    token_ids: list[int]           # new token ids
-    logprobs: list[float]
-    top_logprobs: list[dict[int, float]]
-    finished: bool
-    finish_reason: str | None = None
-    error: str | None = None
-    num_prompt_tokens: int = 0
-    num_output_tokens: int = 0
-    num_cached_tokens: int = 0
-    error_status: int = 500        # 503 when the server aborted it to shut down
-
-
-class ShuttingDownError(RuntimeError):
-    pass
-
-
-class _Handle:
+class _Handle(RequestStream):
     def __init__(self, seq: Sequence, loop: asyncio.AbstractEventLoop) -> None:
         self.seq = seq
         self.loop = loop
@@ -49,9 +31,10 @@ class _Handle:
         self.holdback = max((len(s) for s in seq.params.stop), default=1) - 1
 
 
-class AsyncEngine:
+class AsyncEngine(EngineClient):
     def __init__(self, engine: LLMEngine, max_queue: int | None = None) -> None:
         self.engine = engine
+        self.model = ServedModel.of(engine)
         self.max_queue = max_queue
         self.metrics = Metrics(engine.model_name)
         geo = engine.cache.geometry
@@ -71,7 +54,7 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return len(self.engine.scheduler.waiting) + self._pending_adds
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _Handle:
+    async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _Handle:
         """Queue a validated request; raises QueueFullError when the waiting queue is full."""
         if self.draining:
             raise ShuttingDownError("the server is shutting down; retry on another replica or later")
@@ -107,10 +90,22 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    async def health(self) -> tuple[bool, dict]:
+        return self.alive, {"status": "ok" if self.alive else "dead"}
+
+    async def metrics_text(self) -> str:
+        self._publish_state()
+        return self.metrics.render().decode()
+
     def shutdown(self) -> None:
+        """Stop the engine thread (the engine itself stays usable)."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=30)
+
+    def close(self) -> None:
+        self.shutdown()
+        self.engine.close()  # cached prefixes to the KV offload directory, if there is one
 
     # ---- engine thread --------------------------------------------------------------
     def _loop(self) -> None:
