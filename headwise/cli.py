@@ -49,10 +49,27 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     if args.shutdown_timeout < 0:
         raise UsageError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}")
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if args.replicas is not None or args.ray_address is not None:
+        return _serve_on_ray(args, api_key)
     engine = LLMEngine(EngineConfig.from_options(args.model, engine_options(args)))
     serve(engine, args.host, args.port, engine.config.max_queue, args.served_model_name,
-          api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
-          max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
+          api_key=api_key, max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
+def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
+    try:
+        from headwise.server import ray_serve  # optional: pip install 'headwise[ray]'
+    except ImportError as e:
+        raise UsageError(f"--replicas needs Ray Serve: pip install 'headwise[ray]' ({e})") from None
+    options = engine_options(args)
+    app = ray_serve.build_app(args.model, options, replicas=args.replicas or 1,
+                              cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
+                              max_queue=options.get("max_queue") or 256, routing=args.routing,
+                              served_model_name=args.served_model_name, api_key=api_key,
+                              max_request_bytes=args.max_request_bytes)
+    ray_serve.run(app, args.host, args.port, args.ray_address)
     return 0
 
 
@@ -97,6 +114,17 @@ def build_parser() -> argparse.ArgumentParser:
                     help="larger request bodies get 413 (default: %(default)s; units allowed)")
     sv.add_argument("--shutdown-timeout", type=float, default=30.0,
                     help="on SIGTERM/SIGINT, seconds running requests get to finish before they are aborted")
+    ray = sv.add_argument_group("scale-out on Ray Serve (pip install 'headwise[ray]')")
+    ray.add_argument("--replicas", type=int, default=None,
+                     help="serve N engine replicas behind one endpoint on Ray Serve, each request routed "
+                          "to the replica holding its prefix")
+    ray.add_argument("--ray-address", default=None,
+                     help="join this Ray cluster (e.g. 10.0.0.1:6379 after `ray start --head`); "
+                          "default: start one on this machine")
+    ray.add_argument("--cpus-per-replica", type=float, default=1.0)
+    ray.add_argument("--gpus-per-replica", type=float, default=0.0)
+    ray.add_argument("--routing", choices=["prefix", "round-robin"], default="prefix",
+                     help="prefix: the replica holding the prompt's prefix unless it is much busier (default)")
     sv.set_defaults(func=cmd_serve, max_queue=256)
 
     add_bench(sub)

@@ -18,7 +18,7 @@ from headwise.engine.llm_engine import LLMEngine, PromptTooLongError
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import protocol as P
 from headwise.server.async_engine import AsyncEngine
-from headwise.server.engine_client import EngineClient, ShuttingDownError, Update
+from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -84,7 +84,10 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     @api.post("/reset_prefix_cache")
     async def reset_prefix_cache():
         """Forget every cached prefix (running requests keep their KV)."""
-        pages = await aeng.reset_prefix_cache()
+        try:
+            pages = await aeng.reset_prefix_cache()
+        except EngineUnavailableError as e:
+            raise P.APIError(503, str(e), None, "engine_unavailable") from None
         return {"status": "ok", "pages_freed": pages}
 
     def _refuse_long_text(chars: int, param: str) -> None:
@@ -142,6 +145,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             raise P.APIError(503, str(e), None, "queue_full") from None
         except ShuttingDownError as e:
             raise P.APIError(503, str(e), None, "shutting_down") from None
+        except EngineUnavailableError as e:
+            raise P.APIError(503, str(e), None, "engine_unavailable") from None
 
     def _usage(u: Update) -> dict:
         return {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens,

@@ -38,6 +38,10 @@ class ShuttingDownError(RuntimeError):
     pass
 
 
+class EngineUnavailableError(RuntimeError):
+    """No engine could take the request (e.g. its Ray replica was lost): 503, retry."""
+
+
 @dataclass(frozen=True)
 class ServedModel:
     """The model as the HTTP layer sees it. Picklable: a Ray ingress receives it from a replica."""
