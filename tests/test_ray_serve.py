@@ -133,15 +133,66 @@ class _FakeBroadcast:
         return self.results
 
 
+class _FakeResponse:
+    """A streaming DeploymentResponse: yields `items`, raising the exceptions among them."""
+
+    def __init__(self, items):
+        self.items, self.cancelled = list(items), False
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self):
+        if not self.items:
+            raise StopAsyncIteration
+        item = self.items.pop(0)
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+    def cancel(self):
+        self.cancelled = True
+
+
 class _FakeHandle:
-    def __init__(self, results):
-        self._results = results
+    def __init__(self, results=None, responses=()):
+        self._results, self.responses, self.sent = results or {}, list(responses), 0
+        self.generate = self
 
     def options(self, **_):
         return self
 
+    def remote(self, req):
+        self.sent += 1
+        return self.responses.pop(0)
+
     def broadcast(self, method):
         return _FakeBroadcast(self._results[method])
+
+
+def test_the_client_resends_what_a_lost_replica_never_admitted():
+    import asyncio
+
+    from headwise.engine.scheduler import QueueFullError
+    from headwise.server.engine_client import Update
+
+    lost = ray.exceptions.ActorDiedError()
+    done = Update("hi", [5], [], [], True, "length", num_prompt_tokens=3, num_output_tokens=1)
+
+    async def run(responses):
+        client = R.RayEngineClient(_FakeHandle(responses=responses), None, 2)
+        stream = await client.submit([1, 2, 3], SamplingParams(max_tokens=1), "r1")
+        return client.handle.sent, await stream.queue.get()
+
+    assert asyncio.run(run([_FakeResponse([lost]), _FakeResponse([None, done])])) == (2, done)
+    # Lost mid-request (after admission): the request ends with a 503 update, not resent.
+    sent, u = asyncio.run(run([_FakeResponse([None, lost])]))
+    assert sent == 1 and u.finished and u.error_status == 503 and u.error_code == "replica_unavailable"
+    with pytest.raises(R.EngineUnavailableError):
+        asyncio.run(run([_FakeResponse([lost]) for _ in range(R.ADMIT_ATTEMPTS)]))
+    with pytest.raises(QueueFullError):
+        asyncio.run(run([_FakeResponse([ray.serve.exceptions.BackPressureError(num_queued_requests=9,
+                                                                                max_queued_requests=8)])]))
 
 
 def test_health_and_reset_tell_when_replicas_are_missing():

@@ -15,6 +15,7 @@ and for a Serve config file (docs/ray_serve.yaml).
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import logging
 import os
@@ -47,6 +48,9 @@ APP_NAME = "headwise"
 ENGINE = "HeadwiseEngine"
 INGRESS = "HeadwiseIngress"
 HEALTH_TIMEOUT_S = 10.0
+# A replica lost before it admitted a request: the request is sent again (Serve's router
+# has dropped the dead replica by then), this many times in all.
+ADMIT_ATTEMPTS = 3
 # Serve logs every call at INFO (one line per request and per broadcast); warnings only.
 QUIET = {"log_level": "WARNING", "enable_access_log": False}
 log = logging.getLogger("headwise.ray")
@@ -202,17 +206,20 @@ class RayEngineClient(EngineClient):
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _RemoteStream:
         req = EngineRequest(prompt_ids, params, request_id, block_hashes(prompt_ids))
-        response = self._streams.generate.remote(req)
-        try:
-            await response.__anext__()  # admitted by the replica
-        except (QueueFullError, ShuttingDownError):
-            raise
-        except BackPressureError as e:
-            raise QueueFullError(f"every engine replica's queue is full; retry later ({e.message})") from None
-        except Exception as e:
-            if _lost(e):
-                raise EngineUnavailableError(_failure(e).error) from None
-            raise
+        for attempt in range(ADMIT_ATTEMPTS):
+            response = self._streams.generate.remote(req)
+            try:
+                await response.__anext__()  # admitted by the replica
+                break
+            except (QueueFullError, ShuttingDownError):
+                raise
+            except BackPressureError as e:
+                raise QueueFullError(f"every engine replica's queue is full; retry later ({e.message})") from None
+            except Exception as e:
+                if not _lost(e):
+                    raise
+                if attempt == ADMIT_ATTEMPTS - 1:  # nothing was computed: another replica may take it
+                    raise EngineUnavailableError(_failure(e).error) from None
         stream = _RemoteStream(response)
         stream.task = asyncio.get_running_loop().create_task(self._pump(stream))
         return stream
@@ -300,8 +307,10 @@ Ingress = serve.ingress()(IngressBase)
 def build_app(model: str, engine_options: dict[str, Any] | None = None, *, replicas: int = 2,
               cpus_per_replica: float = 1.0, gpus_per_replica: float = 0.0, max_queue: int = 256,
               routing: str = "prefix", imbalance: int = 4, served_model_name: str | None = None,
-              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES):
-    """The Serve application: `replicas` engines behind one ingress."""
+              api_key: str | None = None, max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+              shutdown_timeout: float = 30.0):
+    """The Serve application: `replicas` engines behind one ingress. shutdown_timeout: seconds
+    a stopping replica gives its running requests."""
     engine_options = dict(engine_options or {})
     cfg = EngineConfig.from_options(model, engine_options)  # bad options fail here, not in N replicas
     if replicas < 1:
@@ -310,6 +319,8 @@ def build_app(model: str, engine_options: dict[str, Any] | None = None, *, repli
         raise ValueError("cpus_per_replica and gpus_per_replica must be >= 0")
     if routing not in ROUTERS:
         raise ValueError(f"routing must be one of {sorted(ROUTERS)}, got {routing!r}")
+    if imbalance < 0:
+        raise ValueError(f"imbalance must be >= 0, got {imbalance}")
     router_kwargs = {"imbalance": imbalance} if routing == "prefix" else {}
     engine = serve.deployment(EngineReplica, name=ENGINE).options(
         num_replicas=replicas,
@@ -318,7 +329,7 @@ def build_app(model: str, engine_options: dict[str, Any] | None = None, *, repli
         max_ongoing_requests=cfg.max_num_seqs + max_queue,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[routing],
                                                   request_router_kwargs=router_kwargs),
-        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=30,
+        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=shutdown_timeout,
         logging_config=QUIET)
     ingress = serve.deployment(Ingress, name=INGRESS).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, logging_config=QUIET)
@@ -330,13 +341,12 @@ def app_builder(args: dict[str, Any]):
     """For `serve run headwise.server.ray_serve:app_builder model=NAME replicas=2 ...` and
     Serve config files (docs/ray_serve.yaml): build_app's options, as strings or YAML values;
     engine options (EngineConfig fields) as a mapping or a JSON string in `engine_options`."""
-    known = {"model", "engine_options", "replicas", "cpus_per_replica", "gpus_per_replica", "max_queue",
-             "routing", "imbalance", "served_model_name", "api_key", "max_request_bytes"}
+    known = set(inspect.signature(build_app).parameters)
     unknown = set(args) - known
     if unknown or "model" not in args:
         raise ValueError(f"app_builder needs model=... and takes {sorted(known)}; got {sorted(args)}")
     kinds = {"replicas": int, "max_queue": int, "imbalance": int, "max_request_bytes": int,
-             "cpus_per_replica": float, "gpus_per_replica": float}
+             "cpus_per_replica": float, "gpus_per_replica": float, "shutdown_timeout": float}
     opts = {k: kinds.get(k, str)(v) for k, v in args.items() if k not in ("model", "engine_options")}
     engine_options = args.get("engine_options", {})
     if isinstance(engine_options, str):  # `serve run ... engine_options='{"max_model_len": 4096}'`
@@ -345,8 +355,8 @@ def app_builder(args: dict[str, Any]):
 
 
 def start_ray(address: str | None, num_cpus: int | None = None) -> None:
-    """Join a cluster (`address`) or start one on this machine, bound to loopback, with no
-    dashboard and no usage statistics."""
+    """Join a cluster (`address`) or start one on this machine (node address 127.0.0.1), with
+    no dashboard and no usage statistics."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if ray.is_initialized():
         return
