@@ -393,19 +393,19 @@ def test_a_killed_replica_fails_only_its_requests_and_is_replaced(cluster):
     assert set(engine.broadcast("pid").results()) - {pids[0]}
 
 
-def test_shutdown_leaves_no_ray_processes_and_the_cli_deploys(cluster, tiny_models):
-    serve.shutdown()
-    ray.shutdown()
-    cluster["up"] = False
+def _no_new_ray_processes(before: set[int]) -> bool:
     deadline = time.time() + 30
-    while _ray_processes() - cluster["before"] and time.time() < deadline:
+    while _ray_processes() - before and time.time() < deadline:
         time.sleep(0.5)
-    assert not _ray_processes() - cluster["before"]
-    # `headwise serve --replicas 1`: its own local cluster, stopped by SIGTERM.
+    return not _ray_processes() - before
+
+
+def _run_cli(model: str, *extra: str) -> tuple[int, str]:
+    """`headwise serve` with `extra` options: answer one request, SIGTERM, (exit code, output)."""
     port = _free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "serve", "--model", cluster["model"],
-                             "--replicas", "1", "--port", str(port), "--head-layout", "full",
-                             "--kv-cache-memory", str(1 << 24), "--max-model-len", "512"],
+    proc = subprocess.Popen([sys.executable, "-m", "headwise.cli", "serve", "--model", model,
+                             "--port", str(port), "--head-layout", "full", "--kv-cache-memory", str(1 << 24),
+                             "--max-model-len", "512", *extra],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=dict(os.environ, RAY_USAGE_STATS_ENABLED="0"))
     try:
@@ -418,13 +418,37 @@ def test_shutdown_leaves_no_ray_processes_and_the_cli_deploys(cluster, tiny_mode
                 pass
             assert proc.poll() is None, proc.stdout.read()
             time.sleep(0.5)
-        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "Hello", "max_tokens": 3},
+                       timeout=60)
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
     finally:
         proc.send_signal(signal.SIGTERM)
         out = proc.communicate(timeout=120)[0]
-    assert proc.returncode == 0, out
-    deadline = time.time() + 30
-    while _ray_processes() - cluster["before"] and time.time() < deadline:
-        time.sleep(0.5)
-    assert not _ray_processes() - cluster["before"]
+    return proc.returncode, out
+
+
+def test_shutdown_leaves_no_ray_processes_and_the_cli_deploys(cluster):
+    serve.shutdown()
+    ray.shutdown()
+    cluster["up"] = False
+    assert _no_new_ray_processes(cluster["before"])
+    # `headwise serve --replicas 1`: its own local Ray, all of it gone after SIGTERM.
+    code, out = _run_cli(cluster["model"], "--replicas", "1")
+    assert code == 0 and "headwise stopped" in out, out
+    assert _no_new_ray_processes(cluster["before"])
+    # `headwise serve --replicas 1 --ray-address`: joins a cluster started with `ray start`
+    # and, stopped by SIGTERM, removes its application and leaves the cluster up.
+    ray_bin = Path(sys.executable).parent / "ray"
+    port = _free_port()
+    env = dict(os.environ, RAY_USAGE_STATS_ENABLED="0")
+    subprocess.run([str(ray_bin), "start", "--head", "--port", str(port), "--num-cpus", "1",
+                    "--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--disable-usage-stats"],
+                   check=True, capture_output=True, env=env)
+    try:
+        code, out = _run_cli(cluster["model"], "--replicas", "1", "--ray-address", f"127.0.0.1:{port}")
+        assert code == 0, out
+        assert "headwise stopped" in out
+        assert _ray_processes() - cluster["before"]  # the cluster is still there
+    finally:
+        subprocess.run([str(ray_bin), "stop", "--force"], capture_output=True, env=env)
+    assert _no_new_ray_processes(cluster["before"])

@@ -376,8 +376,9 @@ def _stop(*_) -> None:
 
 
 def run(app, host: str, port: int, ray_address: str | None = None) -> None:
-    """Deploy `app` on Ray Serve at http://host:port and serve until SIGINT/SIGTERM; then
-    shut Serve (and a Ray started here) down."""
+    """Deploy `app` on Ray Serve at http://host:port and serve until SIGINT/SIGTERM. Then, on a
+    Ray started here, shut Serve and Ray down; on a joined cluster, delete only this
+    application (other applications and the cluster keep running)."""
     start_ray(ray_address)
     # After ray.init, which installs its own SIGTERM handler (exit at once, Serve left up).
     for s in (signal.SIGINT, signal.SIGTERM):
@@ -392,6 +393,9 @@ def run(app, host: str, port: int, ray_address: str | None = None) -> None:
     finally:
         for s in (signal.SIGINT, signal.SIGTERM):
             signal.signal(s, signal.SIG_IGN)  # a second signal does not cut the shutdown short
-        serve.shutdown()
+        if ray_address:
+            serve.delete(APP_NAME)
+        else:
+            serve.shutdown()
         ray.shutdown()
     print("headwise stopped", flush=True)
