@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headwise.layers.linear import Linear, can_pack
+from headwise.layers.linear import INT4_MAX_ROWS, Linear, can_pack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -77,8 +77,6 @@ def test_exact_int4_recovers_q4_1_and_rejects_other_weights():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_copy_serves_small_calls_only(dtype):
-    from headwise.layers.linear import INT4_MAX_ROWS
-
     w = _q4_1_weight(48, 64, seed=1)[0]
     lin = Linear(64, 48, bias=True)
     with torch.no_grad():
@@ -103,12 +101,37 @@ def test_int4_copy_serves_small_calls_only(dtype):
     assert not torch.equal(lin(small), before[0]) and torch.equal(lin(large), before[1])
 
 
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_int4_equals_its_parts(bias):
+    from headwise.layers.linear import FusedInt4
+
+    parts = [Linear(64, n, bias=bias) for n in (32, 16, 16)]
+    with torch.no_grad():
+        for i, p in enumerate(parts):
+            p.weight.copy_(_q4_1_weight(p.out_features, 64, seed=i)[0])
+    x = torch.randn(3, 64)
+    want = []
+    for p in parts:
+        assert p.find_int4()
+        want.append(p._int4_mm(x))
+    fused = FusedInt4(parts)
+    assert fused.applies(x) and not fused.applies(torch.randn(INT4_MAX_ROWS + 1, 64))
+    assert all(p.int4 is None for p in parts)  # one 4-bit copy, not two
+    torch.testing.assert_close(fused(x), torch.cat(want, -1), rtol=1e-5, atol=1e-5)
+    # A part that is not exactly 4-bit: nothing fused, the parts keep theirs.
+    other = Linear(64, 16, bias=bias)
+    assert FusedInt4([Linear(64, 16), other]).int4 is None
+
+
 def test_default_model_decodes_with_its_4bit_weights(default_llm):
-    """The shipped GGUF is Q4_1 for every projection (Q8_0 embedding, tied to the head)."""
+    """The shipped GGUF is Q4_1 for every projection (Q8_0 embedding, tied to the head): q/k/v
+    and gate/up as one fused 4-bit matmul each, o and down on their own."""
     model = default_llm.engine.model
     for layer in model.model.layers:
+        assert layer.self_attn.qkv_int4.int4 is not None and layer.mlp.gate_up_int4.int4 is not None
+        assert layer.self_attn.o_proj.int4 is not None and layer.mlp.down_proj.int4 is not None
         for lin in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj,
-                    layer.self_attn.o_proj, layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj):
-            assert lin.int4 is not None
+                    layer.mlp.gate_proj, layer.mlp.up_proj):
+            assert lin.int4 is None and lin.packed is not None  # prefill: packed dense
     assert model.lm_head.int4 is None
 

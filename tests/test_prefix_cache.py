@@ -244,7 +244,9 @@ def test_exact_block_ids_of_a_hit():
     assert cache.full.tables[1] == [0, 1]
     cache.commit(1, lambda a, b: ids[a:b], 8)
     (save,) = cache.pop_ops()
-    assert save.save and save.ring_slot == 0 and save.pages == list(range(2, 2 + cache.snapshot_pages))
+    # Snapshot pages come from the high end, away from the sequences' blocks.
+    top = cache.full.blocks.num_blocks
+    assert save.save and save.ring_slot == 0 and save.pages == list(range(top - cache.snapshot_pages, top))
     cache.ops_done([save])
     cache.append(1, 9)
     cache.commit(1, lambda a, b: ids[a:b], 9)
@@ -259,3 +261,18 @@ def test_exact_block_ids_of_a_hit():
     cache.free(2)
     cache.full.blocks.check()
     assert cache.full.blocks.num_free == cache.full.blocks.num_blocks
+
+
+def test_snapshots_do_not_split_a_sequence_into_runs(tiny_models):
+    """A chunked prefill saves window-state snapshots as it goes; their pages come from the
+    top of the pool, so the sequence's own blocks stay one run that decode reads in one
+    view."""
+    cached, _ = _pair(str(tiny_models["llama"]), "mixed", max_num_batched_tokens=16)
+    eng = cached.engine
+    seq = eng.add_request(list(range(5, 205)), SamplingParams(max_tokens=4, ignore_eos=True))
+    while seq.num_computed_tokens < 200:
+        eng.step()
+    assert len(eng.cache.index.snapshots) >= 2  # the prefill saved snapshots on the way
+    assert len(eng.cache.slot_runs(seq.seq_id, seq.num_computed_tokens)) == 1
+    while eng.has_unfinished():
+        eng.step()

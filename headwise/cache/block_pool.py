@@ -45,13 +45,16 @@ class BlockPool:
     def is_free(self, b: int) -> bool:
         return self.ref[b] == 0
 
-    def take(self, n: int) -> list[int]:
+    def take(self, n: int, high: bool = False) -> list[int]:
+        """n pages, ascending. high: unused pages from the high end of the id range
+        (window-state snapshots), so that they do not land between a sequence's blocks,
+        which low ids fill in order: decode then reads a sequence in few runs."""
         if n > self.num_free:
             raise CacheFullError(f"asked for {n} blocks, {self.num_free} free")
         out = []
         for _ in range(n):
             q = self._empty or self._low or self._lru
-            b, _ = q.popitem(last=False)
+            b, _ = q.popitem(last=high and q is self._empty)
             if self.key[b] is not None:
                 key = self.key[b]
                 self.key[b] = None

@@ -230,7 +230,7 @@ class KVCacheManager:
         # snapshot never evicts cached prefixes of normal priority.
         if self.snapshot_pages > (pool.num_free if anchor else pool.num_spare):
             return False
-        pages = pool.take(self.snapshot_pages)
+        pages = pool.take(self.snapshot_pages, high=True)
         self.index.add_snapshot(key, pages, anchor, *meta)
         self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
         return True
@@ -293,7 +293,7 @@ class KVCacheManager:
             pool.touch(snap.pages)
         loaded = []
         for entry, data in hit.from_disk:  # into new pages, registered as cached again
-            pages = pool.take(1 if entry.kind == "b" else self.snapshot_pages)
+            pages = pool.take(1) if entry.kind == "b" else pool.take(self.snapshot_pages, high=True)
             self._ops.append(PageIn(pages, data))
             if entry.kind == "b":
                 loaded += pages

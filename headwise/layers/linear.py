@@ -59,6 +59,26 @@ def exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     return codes.to(torch.int32).view(N, K), scale, low
 
 
+def activate(y: torch.Tensor, act: str) -> torch.Tensor:
+    """`act` (a key of ACTIVATIONS) applied to y, as its own op."""
+    if act == "silu":
+        return F.silu(y)
+    return F.gelu(y, approximate="tanh") if act == "gelu_tanh" else y
+
+
+def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """exact_int4's result in the int4 CPU kernel's form: (codes [N, K/2] uint8, scales and
+    offsets [K/32, N, 2]); the kernel computes w = (code - 8) * scale + offset."""
+    sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz
+
+
+def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    # x [M, K] -> [M, N]
+    codes, sz = int4
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), codes, INT4_GROUP, sz)
+
+
 class Linear(nn.Module):
     """y = x @ weight.T + bias, with the same parameter names as nn.Linear, so checkpoints
     load as is. After pack() the plain weight is dropped (the packed copy replaces it)."""
@@ -84,10 +104,7 @@ class Linear(nn.Module):
         found = None if self.weight is None else exact_int4(self.weight.detach())
         if found is None:
             return False
-        codes, scale, low = found
-        # The kernel computes w = (code - 8) * scale + offset.
-        sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()  # [K/32, N, 2]
-        self.int4 = (torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz)
+        self.int4 = int4_pack(*found)
         return True
 
     def pack(self) -> bool:
@@ -119,10 +136,7 @@ class Linear(nn.Module):
         if self.packed is not None and not small:
             attr, algorithm = ACTIVATIONS[act]
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
-        y = self._int4_mm(x) if small else F.linear(x, self.weight, self.bias)
-        if act == "silu":
-            return F.silu(y)
-        return F.gelu(y, approximate="tanh") if act == "gelu_tanh" else y
+        return activate(self._int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
@@ -138,11 +152,50 @@ class Linear(nn.Module):
                 and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS)
 
     def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        codes, sz = self.int4
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), codes, INT4_GROUP, sz)
+        y = int4_matmul(x, self.int4)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed={self.packed is not None}, "
                 f"int4={self.int4 is not None}")
+
+
+class FusedInt4(nn.Module):
+    """Several Linear layers reading the same input (q/k/v, gate/up) as one 4-bit matmul
+    for decode-sized calls: one kernel call and one pass over the input instead of several.
+    Built while the weights are float32 and exactly 4-bit (else `int4` stays None and the
+    layers run on their own); the layers then drop their own 4-bit copies. Prefill keeps
+    the layers' packed dense weights (their fused activation post-ops pay there)."""
+
+    def __init__(self, parts: list[Linear]) -> None:
+        super().__init__()
+        self.sizes = [p.out_features for p in parts]
+        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bias: torch.Tensor | None = None
+        if any(p.weight is None for p in parts):
+            return
+        found = exact_int4(torch.cat([p.weight.detach() for p in parts]))
+        if found is None or not all(can_pack(p.weight) for p in parts):
+            return
+        self.int4 = int4_pack(*found)
+        if any(p.bias is not None for p in parts):
+            self.bias = torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
+                                   for p in parts])
+        for p in parts:
+            p.int4 = None
+
+    def cast(self, dtype: torch.dtype) -> None:
+        """To the activation dtype (after the model is cast)."""
+        if self.int4 is not None:
+            self.int4 = (self.int4[0], self.int4[1].to(dtype))
+            if self.bias is not None:
+                self.bias = self.bias.to(dtype)
+
+    def applies(self, x: torch.Tensor) -> bool:
+        return self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x [M, K] -> [M, sum(sizes)], the parts' outputs side by side
+        y = int4_matmul(x, self.int4)
+        return y if self.bias is None else y + self.bias

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
-from headwise.layers.linear import Linear
+from headwise.layers.linear import FusedInt4, Linear
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig
@@ -67,10 +67,15 @@ class CausalLM(nn.Module):
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             m.find_int4()
+        for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
+            m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         self.to(dtype)
         for m, w in kept.items():
             m.weight.data = w
+        for m in self.modules():
+            if isinstance(m, FusedInt4):
+                m.cast(dtype)
         for m in linears:
             m.pack()
 

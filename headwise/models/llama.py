@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
-from headwise.layers.linear import Linear
+from headwise.layers.linear import FusedInt4, Linear, activate
 from headwise.layers.norm import RMSNorm
-from headwise.layers.rotary import RotaryEmbedding
+from headwise.layers.rotary import RotaryEmbedding, rotate
 from headwise.models.config import ModelConfig
 
 
@@ -30,17 +30,31 @@ class SelfAttention(nn.Module):
         self.qk_norm = cfg.qk_norm
         self.attn = HeadSplitAttention(H, Hkv, D, cfg.attention_scale)
         self.shape = (H, Hkv, D)
+        self.qkv_int4: FusedInt4 | None = None
+
+    def fuse_int4(self) -> None:
+        """q, k and v as one 4-bit matmul for decode (see FusedInt4); weights still float32."""
+        self.qkv_int4 = FusedInt4([self.q_proj, self.k_proj, self.v_proj])
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # rope: the step's rotary tables for this layer (RotaryEmbedding.tables)
         H, Hkv, D = self.shape
         T = x.shape[0]
-        q = self.q_proj(x).view(T, H, D)
-        k = self.k_proj(x).view(T, Hkv, D)
-        v = self.v_proj(x).view(T, Hkv, D)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = RotaryEmbedding.apply(rope, q, k)
+        if self.qkv_int4 is not None and self.qkv_int4.applies(x) and not self.qk_norm:
+            # Decode: one matmul, and q and k rotated in one pass ([T, H + Hkv, D]).
+            qkv = self.qkv_int4(x).view(T, H + 2 * Hkv, D)
+            qk = rotate(qkv[:, : H + Hkv], *rope)
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+        else:
+            if self.qkv_int4 is not None and self.qkv_int4.applies(x):
+                q, k, v = self.qkv_int4(x).view(T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=1)
+            else:
+                q = self.q_proj(x).view(T, H, D)
+                k = self.k_proj(x).view(T, Hkv, D)
+                v = self.v_proj(x).view(T, Hkv, D)
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(T, H * D))
 
 
@@ -53,8 +67,16 @@ class MLP(nn.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.act = cfg.hidden_act
+        self.gate_up_int4: FusedInt4 | None = None
+
+    def fuse_int4(self) -> None:
+        """gate and up as one 4-bit matmul for decode (see FusedInt4)."""
+        self.gate_up_int4 = FusedInt4([self.gate_proj, self.up_proj])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate_up_int4 is not None and self.gate_up_int4.applies(x):
+            gate, up = self.gate_up_int4(x).split(self.gate_up_int4.sizes, dim=-1)
+            return self.down_proj(activate(gate, self.act) * up)
         # The activation and the product run inside the matmuls when packed.
         return self.down_proj(self.up_proj.times(x, self.gate_proj(x, act=self.act)))
 
