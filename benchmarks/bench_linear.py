@@ -1,7 +1,8 @@
 """The default model's 210 projection matmuls (7 per layer x 30 layers, real weights),
 one pass over all of them per measurement, at several row counts, three ways:
 plain F.linear on the plain weight, the weight prepacked for oneDNN, and the 4-bit copy
-(PyTorch's int4 CPU matmul on the GGUF's Q4_1 codes). Decode at batch B is B rows;
+(PyTorch's int4 CPU matmul on the GGUF's Q4_1 codes), as decode runs it: q/k/v fused into
+one matmul and gate/up into another (120 calls). Decode at batch B is B rows;
 a prefill chunk is its token count. A second table times the 30 MLPs,
 down(silu(gate(x)) * up(x)), spelled out with F.linear against headwise's MLP (prepacked,
 SiLU and the product inside the matmuls; the 4-bit copy where rows <= 8).
@@ -24,8 +25,9 @@ from benchmarks.common import Stat, machine, save  # noqa: E402
 
 
 def load_linears(dtype: torch.dtype):
-    """(plain weights, prepared Linears, prepared MLPs, plain MLP weights (gate, up, down))."""
-    from headwise.layers.linear import Linear
+    """(plain weights, prepared Linears, their 4-bit matmuls as decode runs them (fused
+    groups and single layers), prepared MLPs, plain MLP weights (gate, up, down))."""
+    from headwise.layers.linear import FusedInt4, Linear
     from headwise.weights.loader import load_model
 
     model, _ = load_model(None, torch.float32)
@@ -34,7 +36,9 @@ def load_linears(dtype: torch.dtype):
     mlps = [layer.mlp for layer in model.model.layers]
     plain_mlps = [tuple(p.weight.detach().to(dtype) for p in (m.gate_proj, m.up_proj, m.down_proj)) for m in mlps]
     model.prepare_weights(dtype)
-    return plain, lins, mlps, plain_mlps
+    units4 = [m for layer in model.model.layers for m in layer.modules()
+              if (isinstance(m, FusedInt4) or isinstance(m, Linear)) and m.int4 is not None]
+    return plain, lins, units4, mlps, plain_mlps
 
 
 def time_pass(fn, runs: int) -> Stat:
@@ -49,6 +53,7 @@ def time_pass(fn, runs: int) -> Stat:
 
 def main(argv: list[str] | None = None) -> int:
     from headwise.config import DTYPE_CHOICES, EngineConfig
+    from headwise.layers.linear import int4_matmul
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16,64,1024")
@@ -57,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default="bench/linear.json")
     args = ap.parse_args(argv)
     dtype = EngineConfig(dtype=args.dtype).resolve_dtype(None)
-    plain, lins, mlps, plain_mlps = load_linears(dtype)
-    n4 = sum(m.int4 is not None for m in lins)
-    head = (f"Machine: {machine()}; {dtype}; {len(lins)} linears ({n4} with a 4-bit copy); "
+    plain, lins, units4, mlps, plain_mlps = load_linears(dtype)
+    n4 = sum(len(m.sizes) if hasattr(m, "sizes") else 1 for m in units4)  # linears covered
+    head = (f"Machine: {machine()}; {dtype}; {len(lins)} linears ({n4} 4-bit, as {len(units4)} matmuls); "
             f"ms per pass over all of them, median [min-max] of {args.runs}")
     lines = [head, "", "| rows | plain F.linear | prepacked | 4-bit | plain / prepacked | plain / 4-bit |",
              "|---|---|---|---|---|---|"]
@@ -76,8 +81,8 @@ def main(argv: list[str] | None = None) -> int:
                 torch.ops.mkldnn._linear_pointwise(xs[m.in_features], m.packed, m.bias, "none", [], "")
 
         def run_int4():
-            for m in lins:
-                m._int4_mm(xs[m.in_features])
+            for m in units4:
+                int4_matmul(xs[m.in_features], m.int4)
 
         a, b = time_pass(run_plain, args.runs), time_pass(run_packed, args.runs)
         c = time_pass(run_int4, args.runs) if n4 == len(lins) else None

@@ -170,6 +170,7 @@ class FusedInt4(nn.Module):
 
     def __init__(self, parts: list[Linear]) -> None:
         super().__init__()
+        self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
         self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bias: torch.Tensor | None = None
