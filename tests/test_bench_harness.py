@@ -83,7 +83,7 @@ def test_linear_benchmark_harness(tmp_path):
     from benchmarks import bench_linear
 
     out = tmp_path / "linear.json"
-    assert bench_linear.main(["--rows", "1,9", "--runs", "1", "--dtype", "float32", "--out", str(out)]) == 0
+    assert bench_linear.main(["--rows", "1,9", "--runs", "1", "--dtype", "bfloat16", "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert "210 linears (210 4-bit, as 120 matmuls)" in out.with_suffix(".md").read_text()
     lin = [r for r in res["records"] if "plain_ms" in r]

@@ -8,7 +8,8 @@ multiply inside the matmul, so the MLP makes no separate elementwise passes.
 Decode at small batch reads every weight once per step, so it is bound by memory
 bandwidth. A GGUF Q4_1 tensor is 4-bit codes with a scale and an offset per group of 32
 inputs; `find_int4()` recovers them exactly from the loaded float32 weight, and calls with
-at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes.
+at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
+(bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES).
 Larger calls (prefill, big batches) use the packed dense weight.
 
 Measured by benchmarks/bench_linear.py on this project's 2-core AVX512-BF16 machine
@@ -29,6 +30,10 @@ from torch import nn
 PACK_ROWS = 1024
 INT4_GROUP = 32     # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks)
 INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
+# Activation dtypes the 4-bit copy is kept for. With float32 activations PyTorch's int4
+# CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
+# float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
+INT4_DTYPES = (torch.bfloat16,)
 # activation -> oneDNN post-op (attribute, algorithm) fused into the packed matmul
 ACTIVATIONS = {"none": ("none", ""), "silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
 
@@ -116,7 +121,8 @@ class Linear(nn.Module):
             self.int4 = None  # only a packed layer uses it
             return False
         if self.int4 is not None:
-            self.int4 = (self.int4[0], self.int4[1].to(self.weight.dtype))
+            dtype = self.weight.dtype
+            self.int4 = (self.int4[0], self.int4[1].to(dtype)) if dtype in INT4_DTYPES else None
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -187,8 +193,11 @@ class FusedInt4(nn.Module):
             p.int4 = None
 
     def cast(self, dtype: torch.dtype) -> None:
-        """To the activation dtype (after the model is cast)."""
-        if self.int4 is not None:
+        """To the activation dtype (after the model is cast); dropped for a dtype the 4-bit
+        kernel is slow in (INT4_DTYPES), the parts then running packed."""
+        if self.int4 is not None and dtype not in INT4_DTYPES:
+            self.int4 = self.bias = None
+        elif self.int4 is not None:
             self.int4 = (self.int4[0], self.int4[1].to(dtype))
             if self.bias is not None:
                 self.bias = self.bias.to(dtype)
