@@ -103,9 +103,8 @@ def main() -> None:
              "| TTFT (mean, all) |", "|---|---|---|---|---|"]
     for name, hit, hits, n, ttft_follow, ttft_all in rows:
         lines.append(f"| {name} | {hit:.1%} | {hits}/{n} | {ttft_follow:.3f} s | {ttft_all:.3f} s |")
-    table = "\n".join(lines)
-    print("\n" + table)
-    save(a.out, {"machine": machine(), "records": records}, table)
+    save(a.out, {"machine": machine(), "records": records}, "\n".join(lines))
+    print("\n" + "\n".join(lines))
 
 
 if __name__ == "__main__":
