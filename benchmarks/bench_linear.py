@@ -53,7 +53,7 @@ def time_pass(fn, runs: int) -> Stat:
 
 def main(argv: list[str] | None = None) -> int:
     from headwise.config import DTYPE_CHOICES, EngineConfig
-    from headwise.layers.linear import int4_matmul
+    from headwise.layers.linear import FusedInt4, int4_matmul
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16,64,1024")
@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     dtype = EngineConfig(dtype=args.dtype).resolve_dtype(None)
     plain, lins, units4, mlps, plain_mlps = load_linears(dtype)
-    n4 = sum(len(m.sizes) if hasattr(m, "sizes") else 1 for m in units4)  # linears covered
+    n4 = sum(len(m.sizes) if isinstance(m, FusedInt4) else 1 for m in units4)  # linears covered
     head = (f"Machine: {machine()}; {dtype}; {len(lins)} linears ({n4} 4-bit, as {len(units4)} matmuls); "
             f"ms per pass over all of them, median [min-max] of {args.runs}")
     lines = [head, "", "| rows | plain F.linear | prepacked | 4-bit | plain / prepacked | plain / 4-bit |",

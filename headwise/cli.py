@@ -66,7 +66,7 @@ def _serve_on_ray(args: argparse.Namespace, api_key: str | None) -> int:
     options = engine_options(args)
     app = ray_serve.build_app(args.model, options, replicas=args.replicas or 1,
                               cpus_per_replica=args.cpus_per_replica, gpus_per_replica=args.gpus_per_replica,
-                              max_queue=options.get("max_queue") or 256, routing=args.routing,
+                              max_queue=options["max_queue"], routing=args.routing,
                               served_model_name=args.served_model_name, api_key=api_key,
                               max_request_bytes=args.max_request_bytes, shutdown_timeout=args.shutdown_timeout)
     ray_serve.run(app, args.host, args.port, args.ray_address)

@@ -78,6 +78,17 @@ def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tu
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz
 
 
+def int4_cast(int4: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A 4-bit copy's scales in the activation dtype, or None for a dtype the int4 kernel
+    is slow in (INT4_DTYPES): the layer then runs its packed weight."""
+    return (int4[0], int4[1].to(dtype)) if dtype in INT4_DTYPES else None
+
+
+def decode_sized(x: torch.Tensor) -> bool:
+    """A call small enough for the 4-bit weight (decode)."""
+    return x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+
+
 def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     # x [M, K] -> [M, N]
     codes, sz = int4
@@ -121,8 +132,7 @@ class Linear(nn.Module):
             self.int4 = None  # only a packed layer uses it
             return False
         if self.int4 is not None:
-            dtype = self.weight.dtype
-            self.int4 = (self.int4[0], self.int4[1].to(dtype)) if dtype in INT4_DTYPES else None
+            self.int4 = int4_cast(self.int4, self.weight.dtype)
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -154,8 +164,7 @@ class Linear(nn.Module):
         return F.linear(x, self.weight, self.bias) * other
 
     def _small(self, x: torch.Tensor) -> bool:
-        return (self.packed is not None and self.int4 is not None
-                and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS)
+        return self.packed is not None and self.int4 is not None and decode_sized(x)
 
     def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         y = int4_matmul(x, self.int4)
@@ -195,15 +204,13 @@ class FusedInt4(nn.Module):
     def cast(self, dtype: torch.dtype) -> None:
         """To the activation dtype (after the model is cast); dropped for a dtype the 4-bit
         kernel is slow in (INT4_DTYPES), the parts then running packed."""
-        if self.int4 is not None and dtype not in INT4_DTYPES:
-            self.int4 = self.bias = None
-        elif self.int4 is not None:
-            self.int4 = (self.int4[0], self.int4[1].to(dtype))
-            if self.bias is not None:
-                self.bias = self.bias.to(dtype)
+        if self.int4 is not None:
+            self.int4 = int4_cast(self.int4, dtype)
+        if self.bias is not None:
+            self.bias = self.bias.to(dtype) if self.int4 is not None else None
 
     def applies(self, x: torch.Tensor) -> bool:
-        return self.int4 is not None and x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
+        return self.int4 is not None and decode_sized(x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, K] -> [M, sum(sizes)], the parts' outputs side by side

@@ -40,20 +40,20 @@ class SelfAttention(nn.Module):
         # rope: the step's rotary tables for this layer (RotaryEmbedding.tables)
         H, Hkv, D = self.shape
         T = x.shape[0]
-        if self.qkv_int4 is not None and self.qkv_int4.applies(x) and not self.qk_norm:
-            # Decode: one matmul, and q and k rotated in one pass ([T, H + Hkv, D]).
+        fused = self.qkv_int4 is not None and self.qkv_int4.applies(x)
+        if fused:  # decode: one matmul, q, k and v side by side [T, H + 2 Hkv, D]
             qkv = self.qkv_int4(x).view(T, H + 2 * Hkv, D)
-            qk = rotate(qkv[:, : H + Hkv], *rope)
-            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+            q, k, v = qkv.split([H, Hkv, Hkv], dim=1)
         else:
-            if self.qkv_int4 is not None and self.qkv_int4.applies(x):
-                q, k, v = self.qkv_int4(x).view(T, H + 2 * Hkv, D).split([H, Hkv, Hkv], dim=1)
-            else:
-                q = self.q_proj(x).view(T, H, D)
-                k = self.k_proj(x).view(T, Hkv, D)
-                v = self.v_proj(x).view(T, Hkv, D)
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
+            q = self.q_proj(x).view(T, H, D)
+            k = self.k_proj(x).view(T, Hkv, D)
+            v = self.v_proj(x).view(T, Hkv, D)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if fused and not self.qk_norm:  # q and k still adjacent: rotated in one pass
+            qk = rotate(qkv[:, : H + Hkv], *rope)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
             q, k = RotaryEmbedding.apply(rope, q, k)
         return self.o_proj(self.attn(q, k, v).reshape(T, H * D))
 

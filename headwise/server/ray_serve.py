@@ -4,7 +4,8 @@ Two deployments. `HeadwiseEngine` holds one LLMEngine per replica, run on a thre
 as `headwise serve` runs it (AsyncEngine). `HeadwiseIngress` serves the same FastAPI app as
 `headwise serve` (create_app), over a RayEngineClient: the ingress validates and tokenizes,
 and sends token ids to an engine replica chosen by PrefixAffinityRouter, which prefers the
-replica already holding the prompt's prefix (headwise/server/routing.py).
+replica already holding the prompt's prefix (headwise/server/ray_router.py over the
+bookkeeping of headwise/server/routing.py).
 
     request -> Serve HTTP proxy -> HeadwiseIngress (create_app) -> PrefixAffinityRouter
             -> HeadwiseEngine replica (AsyncEngine -> LLMEngine) -> Updates streamed back
@@ -32,7 +33,6 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import BackPressureError, RayServeException
 from ray.serve.handle import DeploymentHandle
-from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from headwise.config import EngineConfig
 from headwise.engine.llm_engine import LLMEngine
@@ -42,7 +42,8 @@ from headwise.server.app import DEFAULT_MAX_REQUEST_BYTES, create_app
 from headwise.server.async_engine import AsyncEngine
 from headwise.server.engine_client import (EngineClient, EngineUnavailableError, RequestStream, ServedModel,
                                            ShuttingDownError, Update)
-from headwise.server.routing import PrefixAffinity, block_hashes
+from headwise.server.ray_router import ROUTERS
+from headwise.server.routing import block_hashes
 
 APP_NAME = "headwise"
 ENGINE = "HeadwiseEngine"
@@ -63,68 +64,6 @@ class EngineRequest:
     params: SamplingParams
     request_id: str
     block_hashes: list[int]
-
-
-# ---- routing ------------------------------------------------------------------------
-
-def _hashes(pending: PendingRequest | None) -> list[int]:
-    # Duck-typed: Ray may hand the router a by-value copy of this module, whose EngineRequest
-    # is another class than the one the ingress instantiates.
-    req = pending.args[0] if pending is not None and pending.args else None
-    return getattr(req, "block_hashes", None) or []
-
-
-class PrefixAffinityRouter(RequestRouter):
-    """Ray Serve request router: the replica holding the prompt's longest prefix, unless it
-    has `imbalance` more requests in flight than the least loaded one (then the least
-    loaded). Serve falls through to the later ranks when a replica's queue is full."""
-
-    def initialize_state(self, imbalance: int = 4, min_match: float = 0.5) -> None:
-        self.affinity = PrefixAffinity(imbalance, min_match)
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
-        ranks = self.affinity.rank(_hashes(pending_request), list(by_id))
-        if ranks and pending_request is not None:
-            self.affinity.reserve(pending_request.metadata.internal_request_id, ranks[0][0])
-        return [[by_id[i] for i in rank] for rank in ranks]
-
-    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
-        self.affinity.routed(pending_request.metadata.internal_request_id, replica_id.unique_id,
-                             _hashes(pending_request))
-
-    def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
-        self.affinity.completed(internal_request_id)
-
-    def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
-        super().on_replica_actor_died(replica_id)
-        self.affinity.forget(replica_id.unique_id)
-
-    def update_replicas(self, replicas: list[RunningReplica]) -> None:
-        before = set(self.curr_replicas)
-        super().update_replicas(replicas)
-        for gone in before - set(self.curr_replicas):
-            self.affinity.forget(gone.unique_id)
-
-
-class RoundRobinRouter(RequestRouter):
-    """Replicas in turn, whatever the prompt: the baseline routing is measured against."""
-
-    def initialize_state(self) -> None:
-        self.turn = 0
-
-    async def choose_replicas(self, candidate_replicas: list[RunningReplica],
-                              pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
-        if not candidate_replicas:
-            return []
-        order = sorted(candidate_replicas, key=lambda r: r.replica_id.unique_id)
-        self.turn += 1
-        k = self.turn % len(order)
-        return [[r] for r in order[k:] + order[:k]]
-
-
-ROUTERS = {"prefix": PrefixAffinityRouter, "round-robin": RoundRobinRouter}
 
 
 # ---- the engine replica -------------------------------------------------------------
