@@ -176,7 +176,31 @@ def measure_kernels(args, contexts: list[int], dtype) -> list[dict]:
     return out
 
 
-def markdown(records: list[dict], kernels: list[dict], args) -> str:
+def measure_capture(args, context: int, dtype) -> list[dict]:
+    """Batch-1 decode of the split layout with the decode step eager and captured
+    (torch.compile, `enforce_eager=False`; CUDA graphs are not built), and compile time."""
+    shape = TINY if args.tiny else LLAMA3_8B
+    dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
+    layout = HeadLayout.random(dims, args.full_fraction, seed=0, sink=args.sink, window=args.window)
+    ids = [(31 * j + 7) % (shape["vocab_size"] - 1) + 1 for j in range(context)]
+    out = []
+    for eager in (True, False):
+        model = random_model(shape, context + args.new_tokens + 8, args.device, dtype)
+        llm = LLM.from_model(model, IdTokenizer(), head_layout=layout, dtype=args.dtype, device=args.device,
+                             attention_backend=args.backend, max_num_batched_tokens=args.chunk,
+                             max_model_len=context + args.new_tokens + 8, enforce_eager=eager)
+        cap = llm.engine.runner.forward
+        tps = statistics.median(headwise_single(llm, ids, args.new_tokens)[1] for _ in range(args.runs))
+        rec = dict(context=context, enforce_eager=eager, captured=cap.enabled, compile_s=cap.compile_s,
+                   decode_tok_s=tps)
+        print(f"capture {context:7d}: {'eager' if eager else 'captured' if cap.enabled else 'capture failed'}: "
+              f"decode {tps:.1f} tok/s (compiled in {cap.compile_s:.1f} s)", flush=True)
+        out.append(rec)
+        del llm, model
+    return out
+
+
+def markdown(records: list[dict], kernels: list[dict], args, capture: list[dict] = ()) -> str:
     by = {(r["layout"], r["context"]): r for r in records}
     lines = [f"Random-weight model, {'tiny' if args.tiny else 'Llama-3-8B'} shape, {args.dtype}, "
              f"device {args.device} ({_device_name(args.device)}), KV budget {args.budget_gib:g} GiB, "
@@ -204,6 +228,11 @@ def markdown(records: list[dict], kernels: list[dict], args) -> str:
         for k in kernels:
             lines.append(f"| {k['context']} | {k['decode_triton_ms']:.3f} | {k['decode_sdpa_ms']:.3f} | "
                          f"{k['prefill_chunk']} | {k['prefill_triton_ms']:.2f} | {k['prefill_sdpa_ms']:.2f} |")
+    if capture:
+        lines += ["", "| context | decode step | decode tok/s (batch 1) | compile s |", "|---:|---|---:|---:|"]
+        for c in capture:
+            mode = "eager" if c["enforce_eager"] else "captured" if c["captured"] else "capture failed"
+            lines.append(f"| {c['context']} | {mode} | {c['decode_tok_s']:.1f} | {c['compile_s']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -229,6 +258,8 @@ def main(argv=None) -> int:
     ap.add_argument("--layouts", default="full,split,split+fp8_e4m3",
                     help="comma-separated: full | split, optionally +KV_DTYPE (split+int8)")
     ap.add_argument("--no-kernels", action="store_true")
+    ap.add_argument("--capture", action="store_true",
+                    help="also batch-1 decode eager vs captured (torch.compile) at the shortest context")
     ap.add_argument("--tiny", action="store_true", help="tiny model shape (harness smoke test)")
     ap.add_argument("--out-dir", default="bench/gpu")
     args = ap.parse_args(argv)
@@ -244,12 +275,14 @@ def main(argv=None) -> int:
         except Exception as e:  # noqa: BLE001 -- one failing layout must not lose the others' figures
             print(f"{name}: failed ({type(e).__name__}: {e}); skipped", file=sys.stderr, flush=True)
     kernels = [] if args.no_kernels else measure_kernels(args, contexts, dtype)
+    capture = measure_capture(args, min(contexts), dtype) if args.capture else []
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     meta = dict(device=_device_name(args.device), dtype=args.dtype, budget_gib=args.budget_gib,
                 full_fraction=args.full_fraction, date=time.strftime("%Y-%m-%d"))
-    (out / "results.json").write_text(json.dumps(dict(meta=meta, records=records, kernels=kernels), indent=1))
-    table = markdown(records, kernels, args)
+    (out / "results.json").write_text(json.dumps(dict(meta=meta, records=records, kernels=kernels,
+                                                      capture=capture), indent=1))
+    table = markdown(records, kernels, args, capture)
     (out / "results.md").write_text(table)
     print(table)
     return 0

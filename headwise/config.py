@@ -81,6 +81,9 @@ class EngineConfig:
     # "rebased" (StreamingLLM: distances as if evicted tokens were never there).
     window_positions: str = _opt("original", "rotary positions of window heads: original "
                                  "(DuoAttention) or rebased (StreamingLLM)", str, WINDOW_POSITIONS)
+    enforce_eager: bool | None = _opt(None, "never compile the decode step (default: compiled with "
+                                      "torch.compile where that pays: CPU decode over 4-bit weights; "
+                                      "--no-enforce-eager: wherever it compiles)", bool)
     enable_prefix_caching: bool = _opt(True, "reuse the KV of prompt prefixes seen before (full-head "
                                        "blocks and window-head state)", bool)
     kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "
@@ -106,6 +109,8 @@ class EngineConfig:
             raise ConfigError("kv_offload_dir / kv_offload_host_bytes need enable_prefix_caching=True")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
+            raise ConfigError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
         for name in ("max_model_len", "max_queue", "num_threads"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

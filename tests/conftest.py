@@ -43,10 +43,10 @@ def make_tiny_model(arch: str, directory: Path, tokenizer_dir: Path, seed: int =
                   bos_token_id=1, eos_token_id=2)
     common.update(overrides)
     cfg = {
-        "llama": lambda: LlamaConfig(rope_theta=10000.0, **common),
-        "mistral": lambda: MistralConfig(sliding_window=None, rope_theta=10000.0, **common),
-        "qwen2": lambda: Qwen2Config(rope_theta=10000.0, **common),
-        "qwen3": lambda: Qwen3Config(head_dim=32, rope_theta=10000.0, **common),
+        "llama": lambda: LlamaConfig(**{"rope_theta": 10000.0, **common}),
+        "mistral": lambda: MistralConfig(sliding_window=None, **{"rope_theta": 10000.0, **common}),
+        "qwen2": lambda: Qwen2Config(**{"rope_theta": 10000.0, **common}),
+        "qwen3": lambda: Qwen3Config(head_dim=32, **{"rope_theta": 10000.0, **common}),
         "gemma3": lambda: Gemma3TextConfig(**common),  # head_dim, windows and layer types in overrides
     }[arch]()
     torch.manual_seed(seed)

@@ -55,7 +55,7 @@ def test_gpu_benchmark_harness_on_cpu(tmp_path):
     rc = gpu.main(["--tiny", "--device", "cpu", "--dtype", "float32", "--backend", "torch",
                    "--contexts", "128,300", "--budget-gib", "0.01", "--chunk", "64", "--new-tokens", "3",
                    "--agg-steps", "2", "--sink", "8", "--window", "16", "--no-kernels", "--out-dir", str(out),
-                   "--layouts", "full,split,split+int8"])
+                   "--layouts", "full,split,split+int8", "--capture"])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
     by = {(r["layout"], r["context"]): r for r in res["records"]}
@@ -67,6 +67,11 @@ def test_gpu_benchmark_harness_on_cpu(tmp_path):
     assert s["kv_bytes_per_seq"] < f["kv_bytes_per_seq"] and s["max_concurrency"] > f["max_concurrency"]
     md = (out / "results.md").read_text()
     assert f"| 300 | split | {f['ttft_s'] / s['ttft_s']:.2f}x | {f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x |" in md
+    # Decode eager vs captured (float32 on the CPU: captured because enforce_eager=False).
+    eager, cap = res["capture"]
+    assert eager["enforce_eager"] and not eager["captured"] and eager["compile_s"] == 0
+    assert cap["captured"] and cap["compile_s"] > 0 and cap["decode_tok_s"] > 0
+    assert f"| 128 | captured | {cap['decode_tok_s']:.1f} |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

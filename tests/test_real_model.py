@@ -38,7 +38,9 @@ def test_prompt_logits_match_transformers(default_llm, hf_gguf_model):
     ids = default_llm.tokenizer.encode(" ".join(PROMPTS) * 4)
     with torch.no_grad():
         ref = hf_gguf_model(torch.tensor([ids])).logits[0]
-    assert (default_llm.engine.prompt_logits(ids) - ref).abs().max().item() < 1e-4
+    # float32 both; 30 layers of matmuls whose kernels sum in different orders (on AMX
+    # CPUs oneDNN picks other ones than MKL) leave ~1e-4 on logits of size ~20.
+    assert (default_llm.engine.prompt_logits(ids) - ref).abs().max().item() < 3e-4
 
 
 def test_passkey_at_4000_tokens(default_llm):

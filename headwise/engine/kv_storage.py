@@ -23,8 +23,9 @@ class KVStorage:
         F, D = geo.total_full_heads, geo.full.head_dim
         slots = num_blocks * geo.block_size if F else 0
         # Head-major so that layer l's full heads are one contiguous slice.
-        self.full_k = torch.zeros(F, slots, D, dtype=geo.full.dtype, device=device)  # [F, slots, D]
-        self.full_v = torch.zeros(F, slots, D, dtype=geo.full.dtype, device=device)
+        # K and V side by side, so a step writes both in one op (layer_views' kv_full).
+        self.full_kv = torch.zeros(2, F, slots, D, dtype=geo.full.dtype, device=device)  # [K|V, F, slots, D]
+        self.full_k, self.full_v = self.full_kv[0], self.full_kv[1]
         fs = geo.full.scale_dtype
         self.full_k_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)  # [F, slots]
         self.full_v_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)
@@ -42,7 +43,7 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.full_k, self.full_v, self.full_k_scale,
+        return sum(t.numel() * t.element_size() for t in (self.full_kv, self.full_k_scale,
                                                            self.full_v_scale, self.rings, self.ring_scales,
                                                            self.pages) if t is not None)
 
@@ -107,15 +108,28 @@ class KVStorage:
                  self.ring_scales[start: start + tokens].view(S, g.num_heads, g.ring_size))
         return KVTensor(data, scale, self.compute["window"])
 
-    def layer_views(self, layer: int) -> tuple[int, KVTensor | None, KVTensor | None, list[WindowGroup]]:
-        """(number of full heads, their K and V [nf, slots, D], window groups) of a layer."""
+    def _ring_pair(self, g: WindowGroupSpec) -> torch.Tensor | None:
+        """[2, num_ring_slots, n, sink + window, D]: one group's K and V values together
+        (for one write of both); None when the class is quantized (scales to write too)."""
+        if self.ring_scales is not None:
+            return None
+        S, D = self.num_ring_slots, self.geometry.window.head_dim
+        start = 2 * S * g.offset // D
+        return self.rings[start * D: (start + 2 * S * g.num_heads * g.ring_size) * D].view(
+            2, S, g.num_heads, g.ring_size, D)
+
+    def layer_views(self, layer: int):
+        """(number of full heads, their K and V [nf, slots, D] KVTensors, window groups,
+        and the full heads' K and V values together [2, nf, slots, D] or None when
+        quantized) of a layer."""
         geo = self.geometry
         nf, off = geo.num_full[layer], geo.full_offset[layer]
-        kf = vf = None
+        kf = vf = kv = None
         if nf:
             heads, dt = slice(off, off + nf), self.compute["full"]
             kf = KVTensor(self.full_k[heads], None if self.full_k_scale is None else self.full_k_scale[heads], dt)
             vf = KVTensor(self.full_v[heads], None if self.full_v_scale is None else self.full_v_scale[heads], dt)
-        groups = [WindowGroup(g.kv_start, g.kv_end, g.sink, g.window, self._ring_view(0, g), self._ring_view(1, g))
-                  for g in geo.groups[layer]]
-        return nf, kf, vf, groups
+            kv = None if self.full_k_scale is not None else self.full_kv[:, heads]
+        groups = [WindowGroup(g.kv_start, g.kv_end, g.sink, g.window, self._ring_view(0, g), self._ring_view(1, g),
+                              self._ring_pair(g)) for g in geo.groups[layer]]
+        return nf, kf, vf, groups, kv

@@ -6,6 +6,7 @@ import torch
 
 from headwise.cache.manager import KVCacheManager
 from headwise.cache.ops import PageOut, RingCopy
+from headwise.engine.decode_capture import DecodeCapture
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
@@ -17,7 +18,7 @@ from headwise.models.causal_lm import CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCacheManager, dtype: torch.dtype,
                  device: torch.device | str = "cpu", backend: str = "torch",
-                 window_positions: str = "original") -> None:
+                 window_positions: str = "original", enforce_eager: bool | None = None) -> None:
         self.model = model
         self.cache = cache
         self.dtype = dtype
@@ -30,6 +31,8 @@ class ModelRunner:
                             page_bytes=cache.page_bytes, compute_dtype=dtype)
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
+        self.forward = DecodeCapture(model, self.device, enforce_eager)
+        self.forward.warm_up(self.device)
 
     def apply(self, ops: list, tier=None) -> None:
         """The cache manager's copies, in order: window-state snapshots (ring slot <->
@@ -58,7 +61,7 @@ class ModelRunner:
         try:
             rows = torch.tensor(sampling_rows if logit_rows is None else logit_rows,
                                 dtype=torch.int64, device=dev)
-            logits = self.model(torch.tensor(ids, dtype=torch.int64, device=dev), ctx.positions, rows)
+            logits = self.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx.positions, rows)
         finally:
             set_context(None)
         return logits.float().cpu(), sampling_seqs
@@ -101,8 +104,11 @@ class ModelRunner:
                           block_size=cache.block_size, num_decode=len(decodes), prefills=chunks)
         if decodes:
             B = len(decodes)
-            ctx.decode_lens = torch.tensor([s.num_computed_tokens + 1 for s, _ in decodes], device=dev)
-            ctx.decode_ring_slots = torch.tensor([cache.ring_slot(s.seq_id) for s, _ in decodes], device=dev)
+            lens = [s.num_computed_tokens + 1 for s, _ in decodes]
+            ring_slots = [cache.ring_slot(s.seq_id) for s, _ in decodes]
+            ctx.decode_lens = torch.tensor(lens, device=dev)
+            ctx.decode_ring_slots = torch.tensor(ring_slots, device=dev)
+            ctx.decode_min_len, ctx.decode_ring_slot_list = min(lens), ring_slots
             for sink, window in self.window_kinds:
                 ctx.decode_ring_index[(sink, window)] = ring_index(positions[:B], sink, window)
             if tables:

@@ -8,6 +8,10 @@ The layer writes the cache; the attention itself is the bound backend's (one fun
 per head class and operation, see layers.torch_attention). Cache views are KVTensors
 (layers.kv_tensor): a quantized class's K/V are written once, quantized, and the step's
 own K/V are attended in their round-tripped form, as later reads will see them.
+
+Under torch.compile (engine.decode_capture) the layer is one opaque custom op,
+headwise::attention: the cache writes and the backend's data-dependent Python run as they
+do eagerly, and the code around them is compiled.
 """
 from __future__ import annotations
 
@@ -17,9 +21,22 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from headwise.layers import opaque
 from headwise.layers.context import get_context
 from headwise.layers.kv_tensor import KVTensor, take
 from headwise.layers.rotary import rotate
+
+
+@torch.library.custom_op("headwise::attention", mutates_args=())
+def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor) -> torch.Tensor:
+    """HeadSplitAttention.attend of the layer whose op_key is `layer` (see layers.opaque).
+    Its cache writes are the layer's own state, which nothing else in a graph touches."""
+    return opaque.lookup(layer).attend(q, k, v)
+
+
+@attention_op.register_fake
+def _(q, k, v, layer):
+    return torch.empty_like(q)
 
 
 @dataclass
@@ -31,6 +48,8 @@ class WindowGroup:
     window: int
     k_ring: KVTensor       # [num_ring_slots, n_heads, sink + window, D] view
     v_ring: KVTensor
+    kv_ring: torch.Tensor | None = None  # [2, num_ring_slots, n_heads, sink + window, D]
+                                         # K and V values together (None: quantized)
 
 
 class HeadSplitAttention(nn.Module):
@@ -46,15 +65,18 @@ class HeadSplitAttention(nn.Module):
         self.num_full = num_kv_heads
         self.k_full: KVTensor | None = None  # [num_full, num_slots, D]
         self.v_full: KVTensor | None = None
+        self.kv_full: torch.Tensor | None = None
         self.window_groups: list[WindowGroup] = []
         self.backend: ModuleType | None = None
         # Optional callback (q, k, v) used by calibration to read a layer's heads.
         self.observer = None
 
     def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup],
-             backend: ModuleType) -> None:
+             kv_full: torch.Tensor | None, backend: ModuleType) -> None:
+        # kv_full: the full heads' K and V values together [2, nf, slots, D] (one write
+        # for both), None when quantized
         self.num_full = num_full
-        self.k_full, self.v_full = k_full, v_full
+        self.k_full, self.v_full, self.kv_full = k_full, v_full, kv_full
         self.window_groups = window_groups
         self.backend = backend
         caches = ([k_full] if num_full else []) + [wg.k_ring for wg in window_groups]
@@ -64,9 +86,16 @@ class HeadSplitAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
+        if torch.compiler.is_compiling():
+            return attention_op(q, k, v, self.op_key)
+        return self.attend(q, k, v)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self.observer is not None:
             self.observer(q, k, v)
         ctx = get_context()
+        if ctx.dry_run:  # a compile warm-up: shapes only, the cache untouched
+            return torch.zeros_like(q)
         out = torch.empty_like(q)
         g = self.group
         nf = self.num_full
@@ -90,9 +119,12 @@ class HeadSplitAttention(nn.Module):
         # kst, vst: stored forms of the step's K/V [T, nf, D] (+ scales [T, nf]); written
         # as they are, attended as reads will return them.
         kc, vc, be = self.k_full, self.v_full, self.backend
-        at = (slice(None), ctx.full_slots)
-        kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
-        vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
+        if self.kv_full is not None:  # K and V in one write: [2, nf, T, D]
+            self.kv_full[:, :, ctx.full_slots] = torch.stack((kst[0], vst[0])).transpose(1, 2)
+        else:
+            at = (slice(None), ctx.full_slots)
+            kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
+            vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
         B = ctx.num_decode
         if B:
             out[:B] = be.full_decode(q[:B], kc, vc, ctx, self.scale)
@@ -109,9 +141,12 @@ class HeadSplitAttention(nn.Module):
         if B:
             ridx, slots = ctx.decode_ring_index[kind], ctx.decode_ring_slots
             # The new token overwrites position p - window, which it no longer sees.
-            at = (slots, slice(None), ridx)
-            wg.k_ring.put(at, *take(kst, lambda t: t[:B]))
-            wg.v_ring.put(at, *take(vst, lambda t: t[:B]))
+            if wg.kv_ring is not None:  # K and V in one write: [B, 2, n, D]
+                wg.kv_ring[:, slots, :, ridx] = torch.stack((kst[0][:B], vst[0][:B]), dim=1)
+            else:
+                at = (slots, slice(None), ridx)
+                wg.k_ring.put(at, *take(kst, lambda t: t[:B]))
+                wg.v_ring.put(at, *take(vst, lambda t: t[:B]))
             q_sink = None if sink_rope is None else rotate(q[:B], sink_rope[0][:B], sink_rope[1][:B])
             out[:B] = be.window_decode(q[:B], wg, ctx, q_sink, self.scale)
         if ctx.prefills:  # decode reads its own token back from the ring

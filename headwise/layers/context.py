@@ -40,12 +40,18 @@ class StepContext:
     decode_runs: list[list[tuple[int, int]]] | None = None  # per sequence: (first slot, length)
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
+    # The same on the host, so per-layer choices need no device read back
+    decode_min_len: int = 0                          # min(decode_lens)
+    decode_ring_slot_list: list[int] = field(default_factory=list)  # decode_ring_slots
     decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend)
     decode_ring_index: dict[WindowKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
     # Re-based (StreamingLLM) positions only: per (sink, window), rotary tables (cos, sin)
     # [T, 1, D/2] turning each query back by max(0, p - (sink + window - 1)) for sink keys.
     sink_rope: dict[WindowKind, tuple[torch.Tensor, torch.Tensor]] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # A warm-up run of a captured step (engine.decode_capture): attention returns zeros
+    # and writes nothing, as vLLM's dummy runs do.
+    dry_run: bool = False
 
 
 _CONTEXT: StepContext | None = None

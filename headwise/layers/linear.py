@@ -10,7 +10,9 @@ bandwidth. A GGUF Q4_1 tensor is 4-bit codes with a scale and an offset per grou
 inputs; `find_int4()` recovers them exactly from the loaded float32 weight, and calls with
 at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
 (bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES).
-Larger calls (prefill, big batches) use the packed dense weight.
+Larger calls (prefill, big batches) use the packed dense weight. Under torch.compile a
+packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
+packed matmul only for weights it packed itself.
 
 Measured by benchmarks/bench_linear.py on this project's 2-core AVX512-BF16 machine
 (bfloat16, SmolLM2's 210 projections): at 1 row plain 22.6 ms, packed 13.0, 4-bit 5.1;
@@ -25,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headwise.layers import opaque
+
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
 # decode-sized calls still run 1.7-1.9x faster than plain F.linear with it (bench_linear).
 PACK_ROWS = 1024
@@ -36,6 +40,18 @@ INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
 INT4_DTYPES = (torch.bfloat16,)
 # activation -> oneDNN post-op (attribute, algorithm) fused into the packed matmul
 ACTIVATIONS = {"none": ("none", ""), "silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
+
+
+@torch.library.custom_op("headwise::packed_linear", mutates_args=())
+def packed_linear_op(x: torch.Tensor, layer: torch.Tensor, out_features: int, act: str,
+                     other: torch.Tensor | None) -> torch.Tensor:
+    """Linear.packed_call of the layer whose op_key is `layer` (see layers.opaque)."""
+    return opaque.lookup(layer).packed_call(x, act, other)
+
+
+@packed_linear_op.register_fake
+def _(x, layer, out_features, act, other):
+    return x.new_empty(*x.shape[:-1], out_features)
 
 
 def can_pack(weight: torch.Tensor) -> bool:
@@ -95,7 +111,26 @@ def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> tor
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), codes, INT4_GROUP, sz)
 
 
-class Linear(nn.Module):
+class Int4Copy:
+    """The 4-bit copy a module keeps, as buffers (so a compiled graph takes them as inputs):
+    `int4` is (codes packed by the int4 kernel [N, K/2] uint8, scales and offsets
+    [K/32, N, 2]) or None."""
+
+    @staticmethod
+    def init(module: nn.Module) -> None:
+        module.register_buffer("int4_codes", None, persistent=False)
+        module.register_buffer("int4_scales", None, persistent=False)
+
+    @property
+    def int4(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None if self.int4_codes is None else (self.int4_codes, self.int4_scales)
+
+    @int4.setter
+    def int4(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        self.int4_codes, self.int4_scales = (None, None) if value is None else value
+
+
+class Linear(Int4Copy, nn.Module):
     """y = x @ weight.T + bias, with the same parameter names as nn.Linear, so checkpoints
     load as is. After pack() the plain weight is dropped (the packed copy replaces it)."""
 
@@ -105,10 +140,9 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.packed: torch.Tensor | None = None  # oneDNN-blocked weight, opaque tensor
-        # 4-bit copy for small calls: (codes packed by the int4 kernel [N, K/2] uint8,
-        # scales and offsets [K/32, N, 2]). Found while float32; pack() casts the scales
-        # to the activation dtype, and only a packed layer uses it.
-        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
+        # 4-bit copy for small calls (see Int4Copy.int4). Found while float32; pack() casts
+        # the scales to the activation dtype, and only a packed layer uses it.
+        Int4Copy.init(self)
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
@@ -150,8 +184,7 @@ class Linear(nn.Module):
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
         small = self._small(x)
         if self.packed is not None and not small:
-            attr, algorithm = ACTIVATIONS[act]
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
+            return self._packed(x, act, None)
         return activate(self._int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
@@ -159,9 +192,20 @@ class Linear(nn.Module):
         if self._small(x):
             return self._int4_mm(x) * other
         if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(
-                x, other.contiguous(), self.packed, self.bias, "mul")
+            return self._packed(x, "none", other)
         return F.linear(x, self.weight, self.bias) * other
+
+    def _packed(self, x: torch.Tensor, act: str, other: torch.Tensor | None) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear_op(x, self.op_key, self.out_features, act, other)
+        return self.packed_call(x, act, other)
+
+    def packed_call(self, x: torch.Tensor, act: str, other: torch.Tensor | None) -> torch.Tensor:
+        """The packed weight's matmul with `act` fused, or (other given) times `other`."""
+        if other is not None:
+            return torch.ops.mkldnn._linear_pointwise.binary(x, other.contiguous(), self.packed, self.bias, "mul")
+        attr, algorithm = ACTIVATIONS[act]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.packed is not None and self.int4 is not None and decode_sized(x)
@@ -176,7 +220,7 @@ class Linear(nn.Module):
                 f"int4={self.int4 is not None}")
 
 
-class FusedInt4(nn.Module):
+class FusedInt4(Int4Copy, nn.Module):
     """Several Linear layers reading the same input (q/k/v, gate/up) as one 4-bit matmul
     for decode-sized calls: one kernel call and one pass over the input instead of several.
     Built while the weights are float32 and exactly 4-bit (else `int4` stays None and the
@@ -187,8 +231,8 @@ class FusedInt4(nn.Module):
         super().__init__()
         self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
-        self.int4: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.bias: torch.Tensor | None = None
+        Int4Copy.init(self)
+        self.register_buffer("bias", None, persistent=False)
         if any(p.weight is None for p in parts):
             return
         found = exact_int4(torch.cat([p.weight.detach() for p in parts]))

@@ -124,11 +124,11 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
     slots, lens = ctx.decode_ring_slots, ctx.decode_lens
     B, H, D = q.shape
     S, n, R, _ = wg.k_ring.shape
-    if q_sink is None and B <= 2 and bool((lens >= R).all()):
+    if q_sink is None and B <= 2 and ctx.decode_min_len >= R:
         # One or two sequences whose rings are full (no mask): fused SDPA on each ring in
         # place, 2.6x faster at one sequence (bfloat16, R = 576); slower from ~8.
         out = torch.empty_like(q)
-        for i, s in enumerate(slots.tolist()):
+        for i, s in enumerate(ctx.decode_ring_slot_list):
             out[i] = F.scaled_dot_product_attention(
                 q[i].view(1, n, H // n, D), wg.k_ring.load(slice(s, s + 1)), wg.v_ring.load(slice(s, s + 1)),
                 scale=scale).view(H, D)

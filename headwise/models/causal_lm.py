@@ -86,14 +86,25 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
+        return self.logits(self.hidden_states(input_ids, self.rope_tables(positions)), logits_indices)
+
+    def rope_tables(self, positions: torch.Tensor) -> dict[float, tuple[torch.Tensor, torch.Tensor]]:
+        """Each rotary base's (cos, sin) [T, 1, D/2] of the step's positions [T], gathered
+        once per step, not per layer (and outside a captured graph: tables are inputs)."""
+        return {theta: r.tables(positions) for theta, r in self.model.rotaries.items()}
+
+    def hidden_states(self, input_ids: torch.Tensor,
+                      tables: dict[float, tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """[T] token ids and their rotary tables (rope_tables) -> the last layer's output
+        [T, hidden] (the part engine.decode_capture compiles)."""
         m = self.model
         x = m.embed_tokens(input_ids)
         if m.embed_scale is not None:
             x = x * torch.tensor(m.embed_scale, dtype=x.dtype)  # rounded as the reference does
-        # Gathered once per step and rotary base, not per layer.
-        tables = {theta: r.tables(positions) for theta, r in m.rotaries.items()}
         for layer, theta in zip(m.layers, m.layer_theta):
             x = layer(x, tables[theta])
+        return x
+
+    def logits(self, x: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         # Only rows that are sampled go through the norm and the vocabulary projection.
-        x = m.norm(x[logits_indices])
-        return self.lm_head(x).float()
+        return self.lm_head(self.model.norm(x[logits_indices])).float()

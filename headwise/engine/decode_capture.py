@@ -1,0 +1,119 @@
+"""Decode steps captured with torch.compile, so a small step is not thousands of
+separately dispatched PyTorch calls.
+
+A step of at most CAPTURE_MAX_TOKENS tokens (decode at batch 1-8, or a tiny prefill) runs
+the model body (embedding and every layer: norms, projections, rotary, residuals) as one
+Inductor graph. Attention stays the layers' own code, an opaque custom op inside the graph
+(headwise::attention), because its cache writes and its backend's shape-dependent Python
+differ from step to step; packed oneDNN matmuls are opaque ops too (layers.linear). The
+graph is C++ end to end (Inductor's cpp_wrapper), and it skips Dynamo's guards on module
+attributes, which the engine never changes after loading. Dynamo keeps compiled graphs on
+the code object, and with those guards skipped nothing tells one model from another of the
+same input shapes: each engine therefore compiles its own copy of the function (a code
+object of its own), whose graphs die with the engine.
+
+Policy, EngineConfig.enforce_eager:
+    None (default): captured where it pays: on the CPU when decode reads 4-bit weights
+          (a GGUF Q4 model computing in bfloat16). Measured by
+          benchmarks/bench_decode_capture.py; elsewhere it is unmeasured or did not pay.
+    False: captured wherever torch.compile works (float32, other devices).
+    True: never (vLLM's --enforce-eager).
+Compilation happens at start (warm-up with dry steps of 1 and 2 tokens; the second compile
+covers 2-8 tokens with a dynamic size), not in a request's latency; its seconds are logged
+and kept in `compile_s`. Where it fails (no C++ compiler, an op Inductor cannot handle) the
+engine runs eagerly, with one log line.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+import types
+
+import torch
+
+from headwise.layers import opaque
+from headwise.layers.attention import HeadSplitAttention
+from headwise.layers.context import StepContext, set_context
+from headwise.layers.linear import INT4_MAX_ROWS, FusedInt4, Linear
+from headwise.models.causal_lm import CausalLM
+
+log = logging.getLogger("headwise.capture")
+
+CAPTURE_MAX_TOKENS = INT4_MAX_ROWS  # steps up to this many tokens run the captured graph
+WARMUP_TOKENS = (1, 2)  # compiled at start: 1, then 2-8 (dynamic size)
+_COPIES = itertools.count()
+OPTIONS = {"cpp_wrapper": True,
+           "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
+
+
+def reads_int4(model: CausalLM) -> bool:
+    """Whether decode-sized calls of `model` read 4-bit weights (see layers.linear)."""
+    return any(isinstance(m, (Linear, FusedInt4)) and m.int4 is not None for m in model.modules())
+
+
+def _body(model: CausalLM, input_ids: torch.Tensor, tables: dict) -> torch.Tensor:
+    return model.hidden_states(input_ids, tables)
+
+
+def _own_copy(fn: types.FunctionType, name: str) -> types.FunctionType:
+    """`fn` with a code object of its own (Dynamo's graphs and guards live there)."""
+    return types.FunctionType(fn.__code__.replace(co_name=name), fn.__globals__, name)
+
+
+class DecodeCapture:
+    """The model runner's forward: the captured graph for small steps, else eager."""
+
+    def __init__(self, model: CausalLM, device: torch.device, enforce_eager: bool | None) -> None:
+        self.model = model
+        self.compile_s = 0.0
+        if enforce_eager is None:
+            self.enabled = device.type == "cpu" and reads_int4(model)
+        else:
+            self.enabled = not enforce_eager
+        self.graph = None
+        if self.enabled:
+            for m in model.modules():
+                if isinstance(m, (Linear, HeadSplitAttention)):
+                    opaque.register(m)
+            options = OPTIONS if device.type == "cpu" else {}
+            body = _own_copy(_body, f"captured_step_{next(_COPIES)}")
+            self.graph = torch.compile(body, dynamic=None, options=options)
+
+    def applies(self, num_tokens: int) -> bool:
+        return self.enabled and num_tokens <= CAPTURE_MAX_TOKENS
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                 logits_indices: torch.Tensor) -> torch.Tensor:
+        # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
+        if not self.applies(input_ids.shape[0]):
+            return self.model(input_ids, positions, logits_indices)
+        x = self.graph(self.model, input_ids, self.model.rope_tables(positions))
+        return self.model.logits(x, logits_indices)
+
+    def warm_up(self, device: torch.device) -> None:
+        """Compile for every size in WARMUP_TOKENS with dry steps (attention returns zeros
+        and writes no cache); on failure, fall back to eager for good."""
+        if not self.enabled:
+            return
+        t0 = time.perf_counter()
+        for n in WARMUP_TOKENS:
+            # Made as the model runner makes its inputs (outside inference mode), so the
+            # graph's guards accept the real steps.
+            ids = torch.zeros(n, dtype=torch.int64, device=device)
+            pos = torch.arange(n, dtype=torch.int64, device=device)
+            set_context(StepContext(positions=pos, full_slots=pos, dry_run=True))
+            try:
+                with torch.inference_mode():
+                    self.graph(self.model, ids, self.model.rope_tables(pos))
+            except Exception as e:  # noqa: BLE001 - any compiler failure means eager
+                self.enabled, self.graph = False, None
+                log.warning("decode capture unavailable, running eagerly: %s: %s",
+                            type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "", exc_info=True)
+                return
+            finally:
+                set_context(None)
+        self.compile_s = time.perf_counter() - t0
+        log.info("decode step captured for steps of 1-%d tokens (compiled in %.1f s)",
+                 CAPTURE_MAX_TOKENS, self.compile_s)
