@@ -1,8 +1,9 @@
 """Decode with and without the captured step (engine.decode_capture), beside llama.cpp.
 
-Per context length: batch-1 decode tokens/s of headwise (shipped layout, bfloat16 with the
-GGUF's 4-bit weights) eager (`enforce_eager=True`) and captured (the default), and of
-llama.cpp (llama-cpp-python on the same GGUF) when installed; also headwise's decode at a
+Per context length: batch-1 greedy decode tokens/s of headwise (shipped layout, bfloat16
+with the GGUF's 4-bit weights) eager (`enforce_eager=True`) and captured (the default),
+and of llama.cpp (llama-cpp-python on the same GGUF, greedy) when installed; the longest
+context is cut to leave room for the new tokens within the model's 8K; also headwise's decode at a
 batch of 4 (captured graph with a dynamic size) and the capture's compile time at start
 (with Inductor's on-disk cache cold or warm, as found; the first run on a machine is cold).
 
@@ -19,10 +20,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Stat, headwise_aggregate, headwise_single, machine, prompt_ids, save  # noqa: E402
-from headwise import LLM  # noqa: E402
+from benchmarks.common import Stat, headwise_aggregate, machine, prompt_ids, save  # noqa: E402
+from headwise import LLM, SamplingParams  # noqa: E402
 
 BATCH = 4  # the batched decode row: a captured step with a dynamic size
+
+
+def greedy_decode(llm, ids: list[int], new: int) -> float:
+    """Batch-1 decode tokens/s of one cold request, greedy as llama.cpp's row is."""
+    llm.reset_prefix_cache()
+    out = llm.generate([ids], SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True),
+                       use_tqdm=False)[0]
+    return new / (out.latency_s - out.ttft_s)
 
 
 def measure_headwise(enforce_eager: bool, contexts: list[int], new: int, runs: int) -> dict:
@@ -32,9 +41,10 @@ def measure_headwise(enforce_eager: bool, contexts: list[int], new: int, runs: i
     cap = llm.engine.runner.forward
     rec = {"start_s": start_s, "compile_s": cap.compile_s, "captured": cap.enabled, "contexts": {}}
     for L in contexts:
-        ids = prompt_ids(llm.tokenizer, L, L)
-        single = Stat.of([headwise_single(llm, ids, new)[1] for _ in range(runs)])
-        batch = Stat.of([headwise_aggregate(llm, L, BATCH, new) for _ in range(runs)])
+        n = min(L, llm.engine.max_model_len - new - 2)
+        ids = prompt_ids(llm.tokenizer, n, L)
+        single = Stat.of([greedy_decode(llm, ids, new) for _ in range(runs)])
+        batch = Stat.of([headwise_aggregate(llm, n, BATCH, new) for _ in range(runs)])
         rec["contexts"][L] = {"decode_tok_s": single.__dict__, f"batch{BATCH}_tok_s": batch.__dict__}
         print(f"headwise {'eager' if enforce_eager else 'captured':<8} {L:>5}: decode {single.fmt('.1f')} tok/s, "
               f"batch {BATCH} {batch.fmt('.1f')} tok/s", flush=True)
