@@ -109,8 +109,9 @@ class DecodeCapture:
                     self.graph(self.model, ids, self.model.rope_tables(pos))
             except Exception as e:  # noqa: BLE001 - any compiler failure means eager
                 self.enabled, self.graph = False, None
-                log.warning("decode capture unavailable, running eagerly: %s: %s",
-                            type(e).__name__, str(e).strip().splitlines()[0] if str(e).strip() else "", exc_info=True)
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                log.warning("decode capture unavailable, running eagerly: %s: %s", type(e).__name__, first)
+                log.debug("decode capture failure", exc_info=True)
                 return
             finally:
                 set_context(None)
