@@ -44,11 +44,13 @@ def _run(llm, prompts, n=12):
     return llm.generate(prompts, params, use_tqdm=False)
 
 
-@pytest.mark.parametrize("layout", ["full", "mixed"])
-def test_captured_equals_eager_float32(tiny_models, layout):
+@pytest.mark.parametrize("layout,kv", [("full", "auto"), ("mixed", "auto"), ("mixed", "int8")])
+def test_captured_equals_eager_float32(tiny_models, layout, kv):
+    """Plain caches (K and V written in one op per class) and int8 ones (values and
+    scales written apart) alike."""
     path = str(tiny_models["llama"])
     lay = "full" if layout == "full" else _mixed()
-    opts = dict(head_layout=lay, kv_cache_memory=1 << 24, dtype="float32", block_size=4)
+    opts = dict(head_layout=lay, kv_cache_memory=1 << 24, dtype="float32", block_size=4, kv_cache_dtype=kv)
     eager = LLM(path, enforce_eager=True, **opts)
     cap = LLM(path, enforce_eager=False, **opts)
     runner = cap.engine.runner
