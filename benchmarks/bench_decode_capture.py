@@ -20,18 +20,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import Stat, headwise_aggregate, machine, prompt_ids, save  # noqa: E402
-from headwise import LLM, SamplingParams  # noqa: E402
+from benchmarks.common import Stat, headwise_aggregate, headwise_single, machine, prompt_ids, save  # noqa: E402
+from headwise import LLM  # noqa: E402
 
 BATCH = 4  # the batched decode row: a captured step with a dynamic size
-
-
-def greedy_decode(llm, ids: list[int], new: int) -> float:
-    """Batch-1 decode tokens/s of one cold request, greedy as llama.cpp's row is."""
-    llm.reset_prefix_cache()
-    out = llm.generate([ids], SamplingParams(max_tokens=new + 1, temperature=0.0, ignore_eos=True),
-                       use_tqdm=False)[0]
-    return new / (out.latency_s - out.ttft_s)
 
 
 def measure_headwise(enforce_eager: bool, contexts: list[int], new: int, runs: int) -> dict:
@@ -43,7 +35,7 @@ def measure_headwise(enforce_eager: bool, contexts: list[int], new: int, runs: i
     for L in contexts:
         n = min(L, llm.engine.max_model_len - new - 2)
         ids = prompt_ids(llm.tokenizer, n, L)
-        single = Stat.of([greedy_decode(llm, ids, new) for _ in range(runs)])
+        single = Stat.of([headwise_single(llm, ids, new)[1] for _ in range(runs)])  # greedy
         batch = Stat.of([headwise_aggregate(llm, n, BATCH, new) for _ in range(runs)])
         rec["contexts"][L] = {"decode_tok_s": single.__dict__, f"batch{BATCH}_tok_s": batch.__dict__}
         print(f"headwise {'eager' if enforce_eager else 'captured':<8} {L:>5}: decode {single.fmt('.1f')} tok/s, "
