@@ -27,7 +27,7 @@ from benchmarks.common import Stat, machine, save  # noqa: E402
 def load_linears(dtype: torch.dtype):
     """(plain weights, prepared Linears, their 4-bit matmuls as decode runs them (fused
     groups and single layers), prepared MLPs, plain MLP weights (gate, up, down))."""
-    from headwise.layers.linear import FusedInt4, Linear
+    from headwise.layers.linear import Int4Copy, Linear
     from headwise.weights.loader import load_model
 
     model, _ = load_model(None, torch.float32)
@@ -37,7 +37,7 @@ def load_linears(dtype: torch.dtype):
     plain_mlps = [tuple(p.weight.detach().to(dtype) for p in (m.gate_proj, m.up_proj, m.down_proj)) for m in mlps]
     model.prepare_weights(dtype)
     units4 = [m for layer in model.model.layers for m in layer.modules()
-              if (isinstance(m, FusedInt4) or isinstance(m, Linear)) and m.int4 is not None]
+              if isinstance(m, Int4Copy) and m.int4 is not None]
     return plain, lins, units4, mlps, plain_mlps
 
 

@@ -14,6 +14,7 @@ from headwise.config import ConfigError, EngineConfig
 from headwise.engine import decode_capture
 from tests.conftest import make_tiny_model
 from tests.test_gemma3 import TINY as GEMMA
+from tests.test_linear import _q4_1_weight
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. " * 6, "Once upon a time", "a b c d e f g h i j " * 4]
 
@@ -100,15 +101,8 @@ def _int4_model(tmp_path, tokenizer_dir):
     path = make_tiny_model("llama", tmp_path / "q4", tokenizer_dir)
     f = path / "model.safetensors"
     sd = load_file(str(f))
-    g = torch.Generator().manual_seed(0)
-    for name, w in sd.items():
-        if name.endswith("proj.weight"):
-            N, K = w.shape
-            codes = torch.randint(0, 16, (N, K // 32, 32), generator=g)
-            codes[..., 0], codes[..., 1] = 0, 15
-            d = (torch.rand(N, K // 32, 1, generator=g) * 0.01 + 1e-3).half().float()
-            m = (torch.randn(N, K // 32, 1, generator=g) * 0.05).half().float()
-            sd[name] = (codes * d + m).view(N, K).contiguous()
+    for i, name in enumerate(n for n in sd if n.endswith("proj.weight")):
+        sd[name] = _q4_1_weight(*sd[name].shape, seed=i)[0].contiguous()
     save_file(sd, str(f), metadata={"format": "pt"})
     return str(path)
 

@@ -116,7 +116,7 @@ def test_fused_int4_equals_its_parts(bias):
     want = []
     for p in parts:
         assert p.find_int4()
-        want.append(p._int4_mm(x))
+        want.append(p.int4_mm(x))
     fused = FusedInt4(parts)
     assert fused.applies(x) and not fused.applies(torch.randn(INT4_MAX_ROWS + 1, 64))
     # (float32 here, to compare exactly; the model keeps it for bfloat16 only, see cast)

@@ -35,7 +35,7 @@ import torch
 from headwise.layers import opaque
 from headwise.layers.attention import HeadSplitAttention
 from headwise.layers.context import StepContext, set_context
-from headwise.layers.linear import INT4_MAX_ROWS, FusedInt4, Linear
+from headwise.layers.linear import INT4_MAX_ROWS, Int4Copy, Linear
 from headwise.models.causal_lm import CausalLM
 
 log = logging.getLogger("headwise.capture")
@@ -49,7 +49,7 @@ OPTIONS = {"cpp_wrapper": True,
 
 def reads_int4(model: CausalLM) -> bool:
     """Whether decode-sized calls of `model` read 4-bit weights (see layers.linear)."""
-    return any(isinstance(m, (Linear, FusedInt4)) and m.int4 is not None for m in model.modules())
+    return any(isinstance(m, Int4Copy) and m.int4 is not None for m in model.modules())
 
 
 def _body(model: CausalLM, input_ids: torch.Tensor, tables: dict) -> torch.Tensor:
@@ -66,6 +66,7 @@ class DecodeCapture:
 
     def __init__(self, model: CausalLM, device: torch.device, enforce_eager: bool | None) -> None:
         self.model = model
+        self.device = device
         self.compile_s = 0.0
         if enforce_eager is None:
             self.enabled = device.type == "cpu" and reads_int4(model)
@@ -92,7 +93,7 @@ class DecodeCapture:
         x = self.graph(self.model, input_ids, self.model.rope_tables(positions))
         return self.model.logits(x, logits_indices)
 
-    def warm_up(self, device: torch.device) -> None:
+    def warm_up(self) -> None:
         """Compile for every size in WARMUP_TOKENS with dry steps (attention returns zeros
         and writes no cache); on failure, fall back to eager for good."""
         if not self.enabled:
@@ -101,8 +102,8 @@ class DecodeCapture:
         for n in WARMUP_TOKENS:
             # Made as the model runner makes its inputs (outside inference mode), so the
             # graph's guards accept the real steps.
-            ids = torch.zeros(n, dtype=torch.int64, device=device)
-            pos = torch.arange(n, dtype=torch.int64, device=device)
+            ids = torch.zeros(n, dtype=torch.int64, device=self.device)
+            pos = torch.arange(n, dtype=torch.int64, device=self.device)
             set_context(StepContext(positions=pos, full_slots=pos, dry_run=True))
             try:
                 with torch.inference_mode():

@@ -32,7 +32,7 @@ class ModelRunner:
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)
-        self.forward.warm_up(self.device)
+        self.forward.warm_up()
 
     def apply(self, ops: list, tier=None) -> None:
         """The cache manager's copies, in order: window-state snapshots (ring slot <->

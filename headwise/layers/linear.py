@@ -129,6 +129,11 @@ class Int4Copy:
     def int4(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
         self.int4_codes, self.int4_scales = (None, None) if value is None else value
 
+    def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] through the 4-bit copy (plus the module's bias) -> [M, N]."""
+        y = int4_matmul(x, self.int4)
+        return y if self.bias is None else y + self.bias
+
 
 class Linear(Int4Copy, nn.Module):
     """y = x @ weight.T + bias, with the same parameter names as nn.Linear, so checkpoints
@@ -185,12 +190,12 @@ class Linear(Int4Copy, nn.Module):
         small = self._small(x)
         if self.packed is not None and not small:
             return self._packed(x, act, None)
-        return activate(self._int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
+        return activate(self.int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
         if self._small(x):
-            return self._int4_mm(x) * other
+            return self.int4_mm(x) * other
         if self.packed is not None:
             return self._packed(x, "none", other)
         return F.linear(x, self.weight, self.bias) * other
@@ -209,10 +214,6 @@ class Linear(Int4Copy, nn.Module):
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.packed is not None and self.int4 is not None and decode_sized(x)
-
-    def _int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        y = int4_matmul(x, self.int4)
-        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -258,5 +259,4 @@ class FusedInt4(Int4Copy, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, K] -> [M, sum(sizes)], the parts' outputs side by side
-        y = int4_matmul(x, self.int4)
-        return y if self.bias is None else y + self.bias
+        return self.int4_mm(x)
