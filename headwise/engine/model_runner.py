@@ -24,6 +24,9 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend = attention_backend(backend)
+        # Whether decode attention reads block tables and int32 lengths besides what the
+        # backend needs anyway (the torch backend's C kernel on the CPU)
+        self.decode_tables = self.backend.decode_kernel(self.device)
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
         self.window_kinds = cache.geometry.window_kinds()
@@ -111,13 +114,16 @@ class ModelRunner:
             ctx.decode_min_len, ctx.decode_ring_slot_list = min(lens), ring_slots
             for sink, window in self.window_kinds:
                 ctx.decode_ring_index[(sink, window)] = ring_index(positions[:B], sink, window)
-            if tables:
+            if tables or (self.decode_tables and cache.has_full_heads):
                 rows = [cache.block_table(s.seq_id) for s, _ in decodes]
                 width = max(map(len, rows))
                 ctx.decode_block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows],
                                                        dtype=torch.int32, device=dev)
-            elif cache.has_full_heads:
+            if not tables and cache.has_full_heads:
                 ctx.decode_runs = [cache.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
+            if self.decode_tables:
+                ctx.decode_lens_i32 = torch.tensor(lens, dtype=torch.int32, device=dev)
+                ctx.decode_ring_table = torch.tensor(ring_slots, dtype=torch.int32, device=dev)[:, None]
         if self.rebased:
             rotary = self.model.model.rotary
             ctx.sink_rope = {(sink, window): rotary.back_tables((positions - (sink + window - 1)).clamp(min=0))

@@ -68,6 +68,7 @@ class HeadSplitAttention(nn.Module):
         self.kv_full: torch.Tensor | None = None
         self.window_groups: list[WindowGroup] = []
         self.backend: ModuleType | None = None
+        self.backend_state = None
         # Optional callback (q, k, v) used by calibration to read a layer's heads.
         self.observer = None
 
@@ -79,6 +80,7 @@ class HeadSplitAttention(nn.Module):
         self.k_full, self.v_full, self.kv_full = k_full, v_full, kv_full
         self.window_groups = window_groups
         self.backend = backend
+        self.backend_state = None  # whatever the backend keeps per layer (built on first use)
         caches = ([k_full] if num_full else []) + [wg.k_ring for wg in window_groups]
         # When every class of the layer stores K/V alike, the step's K/V are encoded
         # once for all heads (a quantized step is a dozen small ops per call).
@@ -96,6 +98,9 @@ class HeadSplitAttention(nn.Module):
         ctx = get_context()
         if ctx.dry_run:  # a compile warm-up: shapes only, the cache untouched
             return torch.zeros_like(q)
+        fused = self.backend.fused_decode(self, ctx, q, k, v)
+        if fused is not None:
+            return fused
         out = torch.empty_like(q)
         g = self.group
         nf = self.num_full

@@ -43,7 +43,10 @@ class StepContext:
     # The same on the host, so per-layer choices need no device read back
     decode_min_len: int = 0                          # min(decode_lens)
     decode_ring_slot_list: list[int] = field(default_factory=list)  # decode_ring_slots
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend)
+    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend,
+                                                     # and the torch backend's C kernel)
+    decode_lens_i32: torch.Tensor | None = None      # [B] int32 decode_lens (C kernel)
+    decode_ring_table: torch.Tensor | None = None    # [B, 1] int32 ring slots (C kernel)
     decode_ring_index: dict[WindowKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
     # Re-based (StreamingLLM) positions only: per (sink, window), rotary tables (cos, sin)
     # [T, 1, D/2] turning each query back by max(0, p - (sink + window - 1)) for sink keys.

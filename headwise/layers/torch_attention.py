@@ -16,7 +16,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from headwise.layers.attention import WindowGroup
+from headwise.kernels import cpu_kernels
+from headwise.layers.attention import HeadSplitAttention, WindowGroup
 from headwise.layers.context import PrefillChunk, StepContext
 from headwise.layers.kv_tensor import KVTensor
 
@@ -29,6 +30,60 @@ PAGED = False
 SPLIT_MIN_LEN = 2048
 SPLIT_PARTS = 2
 MAX_RUNS = 32
+
+
+def decode_kernel(device: torch.device) -> bool:
+    """Whether decode attends through the C kernel (kernels/cpu_decode.c) on this device:
+    on the CPU where it compiled. It then needs block tables and int32 lengths."""
+    return device.type == "cpu" and cpu_kernels.library() is not None
+
+
+class KernelCalls:
+    """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head class: `full` (or
+    None without full heads) and one per window group. Built on the layer's first decode
+    step; a layer whose caches the kernel does not take (quantized, another dtype) gets
+    none and keeps the code below."""
+
+    def __init__(self, layer: HeadSplitAttention, q: torch.Tensor, block_size: int) -> None:
+        caches = ([layer.k_full] if layer.num_full else []) + [wg.k_ring for wg in layer.window_groups]
+        self.ok = all(c.plain and cpu_kernels.usable(q, c.data) for c in caches)
+        if not self.ok:
+            return
+        g = layer.group
+        self.full = None
+        if layer.num_full:
+            k, v = layer.k_full.data, layer.v_full.data  # [nf, slots, D]
+            self.full = cpu_kernels.DecodeCall(k, v, block_size, block_size * k.stride(1), g)
+        self.windows = []
+        for wg in layer.window_groups:
+            k, v = wg.k_ring.data.transpose(0, 1), wg.v_ring.data.transpose(0, 1)  # [n, S, R, D]
+            R = k.shape[2]
+            self.windows.append((cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, wg.kv_start, cap=R),
+                                 (wg.sink, wg.window)))
+
+
+def fused_decode(layer: HeadSplitAttention, ctx: StepContext, q: torch.Tensor, k: torch.Tensor,
+                 v: torch.Tensor) -> torch.Tensor | None:
+    """A decode-only step of one layer (q [B, Hq, D]; k, v [B, Hkv, D]): each class's cache
+    write and attention in one C call, into one output [B, Hq, D]; or None where it does
+    not apply (prefill chunks in the step, re-based positions, no kernel, caches it does
+    not take), and the layer goes the general way."""
+    if ctx.prefills or ctx.decode_lens_i32 is None or ctx.sink_rope:
+        return None
+    if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1 or not q.dtype == k.dtype == v.dtype:
+        return None
+    calls = layer.backend_state
+    if calls is None:
+        calls = layer.backend_state = KernelCalls(layer, q, ctx.block_size)
+    if not calls.ok:
+        return None
+    out = torch.empty_like(q)
+    lens = ctx.decode_lens_i32
+    if calls.full is not None:  # the new token's key row is its position
+        calls.full(q, out, ctx.decode_block_tables, lens, layer.scale, (k, v, ctx.positions))
+    for call, kind in calls.windows:
+        call(q, out, ctx.decode_ring_table, lens, layer.scale, (k, v, ctx.decode_ring_index[kind]))
+    return out
 
 
 # ---- full heads: paged blocks -----------------------------------------------------

@@ -18,6 +18,16 @@ NAME = "triton"
 PAGED = True
 
 
+def decode_kernel(device: torch.device) -> bool:
+    """Whether decode needs the torch backend's C-kernel metadata (never here)."""
+    return False
+
+
+def fused_decode(layer, ctx: StepContext, q, k, v) -> None:
+    """The torch backend's one-call decode of a layer; here decode goes the general way."""
+    return None
+
+
 def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
     return K.paged_decode(q, k_cache.data, v_cache.data, ctx.decode_block_tables, ctx.decode_lens,
                           ctx.block_size, scale, k_scale=k_cache.scale, v_scale=v_cache.scale)

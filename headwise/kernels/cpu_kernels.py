@@ -1,0 +1,150 @@
+"""headwise's C kernels for the CPU, compiled on the machine that runs them.
+
+cpu_decode.c (decode attention over paged blocks or rings, see there) is compiled once per
+source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3 -march=native
+-fopenmp) into the cache directory, and called through ctypes, which releases the GIL.
+The library links the OpenMP runtime PyTorch has already loaded (same soname), so both
+share one thread pool. Where no compiler works the backend keeps its PyTorch code, after
+one log line. HEADWISE_CPU_KERNELS=0 turns the kernels off.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from headwise.weights.registry import cache_dir
+
+log = logging.getLogger("headwise.kernels")
+
+SOURCE = Path(__file__).with_name("cpu_decode.c")
+FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
+
+_i64, _ptr = ctypes.c_int64, ctypes.c_void_p
+_SIGNATURE = [_ptr, _i64, _i64, _ptr, _i64, _i64,       # q, out
+              _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,  # new K/V rows, write rows
+              _ptr, _ptr, _i64, _i64, _i64,             # cache K/V and strides
+              _ptr, _i64, _i64, _i64, _ptr, _i64,       # table, width, block, lens, cap
+              _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the model name and flag lines of /proc/cpuinfo."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    keep = {ln for ln in lines if ln.split(":")[0].strip() in ("model name", "flags", "Features")}
+    return "\n".join(sorted(keep))
+
+
+def _compile(out: Path) -> None:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise OSError("no C compiler (set CC)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+    try:
+        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)  # another process compiling the same key writes the same file
+    except subprocess.CalledProcessError as e:
+        raise OSError(f"{cc} failed: {e.stderr.strip().splitlines()[-1] if e.stderr.strip() else e}") from e
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None (no compiler, turned off, not Linux/macOS)."""
+    if os.environ.get("HEADWISE_CPU_KERNELS", "1") == "0":
+        return None
+    try:
+        cc_version = subprocess.run([os.environ.get("CC") or "cc", "--version"], capture_output=True,
+                                    text=True, timeout=30).stdout
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc_version,
+                                        _cpu_id()]).encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+        if not path.is_file():
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("CPU decode kernel unavailable, using PyTorch's attention: %s", e)
+        return None
+    lib.paged_decode.argtypes = _SIGNATURE
+    lib.paged_decode.restype = ctypes.c_int
+    return lib
+
+
+def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
+    """Whether the kernel takes q against this cache (CPU, same float dtype, rows of D
+    contiguous) and the library is there."""
+    return (q.device.type == "cpu" and cache.device.type == "cpu" and q.dtype == cache.dtype
+            and q.dtype in DTYPES and q.stride(-1) == 1 and cache.stride(-1) == 1
+            and library() is not None)
+
+
+class DecodeCall:
+    """Decode attention of one head class of one layer, through cpu_decode.c, without a
+    copy of the cache. Built once per cache view; a call passes only the step's tensors.
+
+    k, v: [nkv, ..., D] views of the cache whose dim 0 is the KV head and whose
+    last-but-one stride steps one key row. Key row p of sequence b is at
+    k[h] + table[b, p // block] * block_stride + (p % block) * row stride; sequence b
+    attends its first min(lens[b], cap) rows (cap: a ring's length, else None). The class
+    is KV heads [head, head + nkv) of the layer, with g query heads each."""
+
+    def __init__(self, k: torch.Tensor, v: torch.Tensor, block: int, block_stride: int, g: int,
+                 head: int = 0, cap: int | None = None) -> None:
+        if k.stride() != v.stride() or k.dtype not in DTYPES:
+            raise ValueError("K and V views must share their strides and be float32 or bfloat16")
+        self.lib = library()
+        self.nkv, self.D, self.g, self.head = k.shape[0], k.shape[-1], g, head
+        self.dtype, self.bf16 = k.dtype, DTYPES[k.dtype]
+        self.cache = (k.data_ptr(), v.data_ptr(), k.stride(0), block_stride, k.stride(-2))
+        self.block, self.cap = block, (1 << 62) if cap is None else cap
+        self.views = (k, v)  # kept alive with the pointers
+
+    def __call__(self, q: torch.Tensor, out: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                 scale: float, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+        """q, out: the layer's [B, Hq, D] (any strides but D's), in the cache's dtype;
+        table [B, W] and lens [B] int32, unit inner stride. new: (k, v [B, Hkv, D],
+        rows [B] int64): the step's own K/V, written first at key row rows[b] of each
+        sequence, or None."""
+        B, H, D = q.shape
+        first, g = self.head * self.g, self.g  # the class's first query head
+        if q.dtype != self.dtype or out.dtype != self.dtype or q.stride(-1) != 1 or out.stride(-1) != 1:
+            raise ValueError("q and out must be unit-stride rows in the cache's dtype")
+        if D != self.D or H < first + self.nkv * g or out.shape != q.shape:
+            raise ValueError(f"q and out must be [B, >= {first + self.nkv * g}, {self.D}]")
+        if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.stride(-1) != 1 or lens.stride(0) != 1:
+            raise ValueError("table and lens must be int32 with unit inner stride")
+        e = q.element_size()
+        if new is None:
+            written = (None, 0, 0, None, 0, 0, None)
+        else:
+            kn, vn, rows = new
+            if (kn.dtype != self.dtype or vn.dtype != self.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1
+                    or rows.dtype != torch.int64 or kn.shape[1] < self.head + self.nkv):
+                raise ValueError("new K/V must be unit-stride rows of the cache's dtype holding the "
+                                 "class's heads; rows must be int64")
+            written = (kn.data_ptr() + self.head * kn.stride(1) * e, kn.stride(0), kn.stride(1),
+                       vn.data_ptr() + self.head * vn.stride(1) * e, vn.stride(0), vn.stride(1), rows.data_ptr())
+        rc = self.lib.paged_decode(
+            q.data_ptr() + first * q.stride(1) * e, q.stride(0), q.stride(1),
+            out.data_ptr() + first * out.stride(1) * e, out.stride(0), out.stride(1),
+            *written, *self.cache, table.data_ptr(), table.stride(0), table.shape[-1], self.block, lens.data_ptr(),
+            self.cap, B, self.nkv, g, self.D, scale, self.bf16, torch.get_num_threads())
+        if rc == -2:
+            raise ValueError("a sequence's keys or write row lie past its table")
+        if rc:
+            raise ValueError(f"the CPU decode kernel does not take {g} query heads per KV head of size {self.D}")
