@@ -142,3 +142,34 @@ def test_quantized_layers_keep_the_general_path(compiled, tiny_models):
     assert len(out.token_ids) == 4
     states = [a.backend_state for a in llm.engine.runner.model.attention_layers()]
     assert states and all(isinstance(s, torch_attention.KernelCalls) and not s.ok for s in states)
+
+
+@pytest.fixture
+def fresh_build(tmp_path, monkeypatch):
+    """library() rebuilt under a temporary cache directory, and forgotten afterwards."""
+    monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path / "cache"))
+    cpu_kernels.library.cache_clear()
+    yield tmp_path
+    cpu_kernels.library.cache_clear()
+
+
+def test_a_failing_compiler_means_pytorch_attention(fresh_build, monkeypatch, caplog):
+    monkeypatch.setenv("CC", shutil.which("false") or "false")
+    with caplog.at_level("WARNING", logger="headwise.kernels"):
+        assert cpu_kernels.library() is None
+    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+    assert not torch_attention.decode_kernel(torch.device("cpu"))
+    assert not list((fresh_build / "cache").rglob("*.tmp"))  # no half-written library left
+
+
+def test_without_openmp_the_kernel_runs_on_one_thread(compiled, fresh_build, monkeypatch, caplog):
+    """A compiler without OpenMP support (as Apple's clang): built without it, same results."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    wrapper = fresh_build / "cc-no-openmp"
+    wrapper.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && exit 1; done\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    with caplog.at_level("WARNING", logger="headwise.kernels"):
+        assert cpu_kernels.library() is not None
+    assert any("without OpenMP" in r.getMessage() for r in caplog.records)
+    test_paged_blocks_match_sdpa(None, torch.float32, 3, 3, 64)

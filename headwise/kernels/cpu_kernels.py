@@ -2,10 +2,11 @@
 
 cpu_decode.c (decode attention over paged blocks or rings, see there) is compiled once per
 source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3 -march=native
--fopenmp) into the cache directory, and called through ctypes, which releases the GIL.
-The library links the OpenMP runtime PyTorch has already loaded (same soname), so both
-share one thread pool. Where no compiler works the backend keeps its PyTorch code, after
-one log line. HEADWISE_CPU_KERNELS=0 turns the kernels off.
+-fopenmp, and without OpenMP where the compiler lacks it: one thread) into the cache
+directory, and called through ctypes, which releases the GIL. The library links the
+OpenMP runtime PyTorch has already loaded (same soname), so both share one thread pool.
+Where no compiler works the backend keeps its PyTorch code, after one log line.
+HEADWISE_CPU_KERNELS=0 turns the kernels off.
 """
 from __future__ import annotations
 
@@ -26,7 +27,10 @@ from headwise.weights.registry import cache_dir
 log = logging.getLogger("headwise.kernels")
 
 SOURCE = Path(__file__).with_name("cpu_decode.c")
-FLAGS = ["-O3", "-march=native", "-mprefer-vector-width=512", "-fopenmp", "-shared", "-fPIC", "-std=gnu11"]
+BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
+# AVX-512 machines: GCC otherwise prefers 256-bit vectors
+X86_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
+FLAG_SETS = [BASE_FLAGS + X86_FLAGS + ["-fopenmp"], BASE_FLAGS + X86_FLAGS]  # tried in order
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
@@ -47,42 +51,60 @@ def _cpu_id() -> str:
     return "\n".join(sorted(keep))
 
 
-def _compile(out: Path) -> None:
+def _compiler() -> str:
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise OSError("no C compiler (set CC)")
+    return cc
+
+
+def _build(cc: str, flags: list[str], out: Path) -> None:
+    """Compile SOURCE into `out`, atomically (another process building the same key
+    writes the same file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp), "-lm"], check=True,
+        subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)  # another process compiling the same key writes the same file
+        os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
-        raise OSError(f"{cc} failed: {e.stderr.strip().splitlines()[-1] if e.stderr.strip() else e}") from e
+        lines = e.stderr.strip().splitlines()
+        first = next((ln for ln in lines if "error" in ln), lines[-1] if lines else str(e))
+        raise OSError(f"{cc} failed: {first.strip()}") from e
     finally:
         tmp.unlink(missing_ok=True)
 
 
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (no compiler, turned off, not Linux/macOS)."""
+    """The compiled kernels, or None (turned off, no working compiler)."""
     if os.environ.get("HEADWISE_CPU_KERNELS", "1") == "0":
         return None
     try:
-        cc_version = subprocess.run([os.environ.get("CC") or "cc", "--version"], capture_output=True,
-                                    text=True, timeout=30).stdout
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(FLAGS), cc_version,
-                                        _cpu_id()]).encode()).hexdigest()[:16]
-        path = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
-        if not path.is_file():
-            _compile(path)
-        lib = ctypes.CDLL(str(path))
+        cc = _compiler()
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("CPU decode kernel unavailable, using PyTorch's attention: %s", e)
         return None
-    lib.paged_decode.argtypes = _SIGNATURE
-    lib.paged_decode.restype = ctypes.c_int
-    return lib
+    error = None
+    for flags in FLAG_SETS:
+        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
+                                        _cpu_id()]).encode()).hexdigest()[:16]
+        path = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+        try:
+            if not path.is_file():
+                _build(cc, flags, path)
+            lib = ctypes.CDLL(str(path))
+        except (OSError, subprocess.SubprocessError) as e:
+            error = error or e
+            continue
+        if "-fopenmp" not in flags:
+            log.warning("CPU decode kernel built without OpenMP (one thread): %s", error)
+        lib.paged_decode.argtypes = _SIGNATURE
+        lib.paged_decode.restype = ctypes.c_int
+        return lib
+    log.warning("CPU decode kernel unavailable, using PyTorch's attention: %s", error)
+    return None
 
 
 def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
