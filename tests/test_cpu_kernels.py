@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from headwise import LLM, SamplingParams
 from headwise.kernels import cpu_kernels
+from headwise.layers.kv_tensor import dequantize, quantize
 from headwise.layers import torch_attention
 from tests.test_decode_capture import PROMPTS, _mixed
 
@@ -32,12 +33,18 @@ def _reference(q, keys, values, scale):
                                           scale=scale).view(-1, D)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, "plain"), (torch.bfloat16, "plain"),
+                                      (torch.float32, "int8"), (torch.bfloat16, "int8")])
 @pytest.mark.parametrize("nkv,g,D", [(3, 3, 64), (1, 4, 256), (2, 1, 32)])
-def test_paged_blocks_match_sdpa(compiled, dtype, nkv, g, D):
+def test_paged_blocks_match_sdpa(compiled, dtype, kv, nkv, g, D):
+    """Against SDPA over the same keys (int8: over their dequantized values)."""
     torch.manual_seed(0)
     bs, nblocks = 16, 300
-    kv = torch.randn(2, nkv, nblocks * bs, D).to(dtype)  # a pool [2, heads, slots, D]
+    pool = torch.randn(2, nkv, nblocks * bs, D).to(dtype)  # [2, heads, slots, D]
+    scales = None
+    if kv == "int8":
+        codes, s = quantize(pool, torch.int8, dtype)
+        pool, scales = codes, (s[0], s[1], bs * s.stride(2))
     # lengths: one key, inside one block, across pieces the kernel cuts for threads
     lens = torch.tensor([1, 17, 1000, 333], dtype=torch.int32)
     B = len(lens)
@@ -45,23 +52,31 @@ def test_paged_blocks_match_sdpa(compiled, dtype, nkv, g, D):
     q = torch.randn(B, nkv * g, D).to(dtype)
     out = torch.full_like(q, float("nan"))
     scale = D ** -0.5
-    call = cpu_kernels.DecodeCall(kv[0], kv[1], bs, bs * kv.stride(2), g)
+    call = cpu_kernels.DecodeCall(pool[0], pool[1], bs, bs * pool.stride(2), g, scales=scales)
     call(q, out, table, lens, scale)
+    values = pool if scales is None else dequantize(pool, torch.stack(scales[:2]), torch.float32)
     for b in range(B):
         slots = (table[b].long()[:, None] * bs + torch.arange(bs)).flatten()[: lens[b]]
-        ref = _reference(q[b], kv[0][:, slots], kv[1][:, slots], scale)
+        ref = _reference(q[b], values[0][:, slots], values[1][:, slots], scale)
         torch.testing.assert_close(out[b].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rings_match_sdpa_and_take_the_new_token(compiled, dtype):
+@pytest.mark.parametrize("dtype,kv", [(torch.float32, "plain"), (torch.bfloat16, "plain"), (torch.bfloat16, "int8")])
+def test_rings_match_sdpa_and_take_the_new_token(compiled, dtype, kv):
     """A window group of KV heads [1, 3) of a 3-head layer, rings [S, n, R, D] (a view of
-    [2, S, n, R, D]): its new K/V are written at each sequence's ring index, each sequence
-    attends its first min(len, R) entries, and the other head's outputs stay untouched."""
+    [2, S, n, R, D]): its new K/V are written at each sequence's ring index (int8:
+    quantized exactly as kv_tensor.quantize does), each sequence attends its first
+    min(len, R) entries, and the other head's outputs stay untouched."""
     torch.manual_seed(1)
     S, n, R, D, g, Hkv = 5, 2, 40, 64, 3, 3
     rings = torch.randn(2, S, n, R, D).to(dtype)
+    ring_scales, scales = None, None
+    if kv == "int8":
+        rings, ring_scales = quantize(rings, torch.int8, dtype)  # [2, S, n, R, D], [2, S, n, R]
+        ks, vs = ring_scales[0].transpose(0, 1), ring_scales[1].transpose(0, 1)
+        scales = (ks, vs, ks.stride(1))
     before = rings.clone()
+    before_scales = None if ring_scales is None else ring_scales.clone()
     slots = torch.tensor([[4], [0], [2]], dtype=torch.int32)
     lens = torch.tensor([100, 7, 40], dtype=torch.int32)
     rows = torch.tensor([13, 6, 39], dtype=torch.int64)  # where each new token goes
@@ -70,58 +85,79 @@ def test_rings_match_sdpa_and_take_the_new_token(compiled, dtype):
     new = torch.randn(B, 2, Hkv, D).to(dtype)  # K and V with strides unlike the ring's
     out = torch.full_like(q, float("nan"))
     k, v = rings[0].transpose(0, 1), rings[1].transpose(0, 1)  # [n, S, R, D]
-    call = cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, head=1, cap=R)
+    call = cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, head=1, cap=R, scales=scales)
     call(q, out, slots, lens, D ** -0.5, (new[:, 0], new[:, 1], rows))
-    expect = before.clone()
+    expect, expect_scales = before.clone(), before_scales
     for b in range(B):
         s = int(slots[b, 0])
-        expect[0, s, :, rows[b]] = new[b, 0, 1:]
-        expect[1, s, :, rows[b]] = new[b, 1, 1:]
+        if kv == "int8":
+            codes, sc = quantize(new[b, :, 1:], torch.int8, dtype)  # [2, n, D], [2, n]
+            expect[:, s, :, rows[b]], expect_scales[:, s, :, rows[b]] = codes, sc
+        else:
+            expect[:, s, :, rows[b]] = new[b, :, 1:]
     assert torch.equal(rings, expect)  # the new rows, and nothing else
+    if kv == "int8":
+        assert torch.equal(ring_scales, expect_scales)
     assert out[:, :g].isnan().all()  # head 0's queries are not the class's
+    values = rings if kv == "plain" else dequantize(rings, ring_scales, torch.float32)
     for b in range(B):
         s, L = int(slots[b, 0]), min(int(lens[b]), R)
-        ref = _reference(q[b, g:], rings[0, s, :, :L], rings[1, s, :, :L], D ** -0.5)
+        ref = _reference(q[b, g:], values[0, s, :, :L], values[1, s, :, :L], D ** -0.5)
         torch.testing.assert_close(out[b, g:].float(), ref, atol=TOL[dtype], rtol=TOL[dtype])
 
 
 def test_bad_arguments_are_refused(compiled):
-    kv = torch.zeros(2, 1, 64, 8)
-    call = cpu_kernels.DecodeCall(kv[0], kv[1], 16, 16 * 8, 1)
-    q = torch.zeros(1, 1, 8)
+    kv = torch.zeros(2, 1, 64, 16)
+    call = cpu_kernels.DecodeCall(kv[0], kv[1], 16, 16 * 16, 1)
+    q = torch.zeros(1, 1, 16)
+    table, one = torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
     with pytest.raises(ValueError, match="int32"):
-        call(q, q.clone(), torch.zeros(1, 4, dtype=torch.int64), torch.ones(1, dtype=torch.int32), 1.0)
+        call(q, q.clone(), table.long(), one, 1.0)
     with pytest.raises(ValueError, match="past its table"):  # 65 keys, 4 blocks of 16
-        call(q, q.clone(), torch.zeros(1, 4, dtype=torch.int32), torch.tensor([65], dtype=torch.int32), 1.0)
+        call(q, q.clone(), table, torch.tensor([65], dtype=torch.int32), 1.0)
     with pytest.raises(ValueError, match="query heads"):  # 20 query heads per KV head: over MAX_G
-        wide = cpu_kernels.DecodeCall(kv[0], kv[1], 16, 16 * 8, 20)
-        wide(torch.zeros(1, 20, 8), torch.zeros(1, 20, 8), torch.zeros(1, 4, dtype=torch.int32),
-             torch.ones(1, dtype=torch.int32), 1.0)
-    with pytest.raises(ValueError, match=r"\[B, >= 1, 8\]"):  # head size 16 against a cache of 8
-        call(torch.zeros(1, 1, 16), torch.zeros(1, 1, 16), torch.zeros(1, 4, dtype=torch.int32),
-             torch.ones(1, dtype=torch.int32), 1.0)
+        wide = cpu_kernels.DecodeCall(kv[0], kv[1], 16, 16 * 16, 20)
+        wide(torch.zeros(1, 20, 16), torch.zeros(1, 20, 16), table, one, 1.0)
+    with pytest.raises(ValueError, match="query heads"):  # rows of 8: not a multiple of 16
+        narrow = torch.zeros(2, 1, 64, 8)
+        cpu_kernels.DecodeCall(narrow[0], narrow[1], 16, 16 * 8, 1)(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8),
+                                                                     table, one, 1.0)
+    with pytest.raises(ValueError, match=r"\[B, >= 1, 16\]"):  # head size 32 against a cache of 16
+        call(torch.zeros(1, 1, 32), torch.zeros(1, 1, 32), table, one, 1.0)
     with pytest.raises(ValueError, match="dtype"):
-        call(q.double(), q.double(), torch.zeros(1, 4, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 1.0)
-    with pytest.raises(ValueError, match="float32 or bfloat16"):
-        cpu_kernels.DecodeCall(kv[0].half(), kv[1].half(), 16, 16 * 8, 1)
+        call(q.double(), q.double(), table, one, 1.0)
+    with pytest.raises(ValueError, match="float32, bfloat16 or int8"):
+        cpu_kernels.DecodeCall(kv[0].half(), kv[1].half(), 16, 16 * 16, 1)
+    with pytest.raises(ValueError, match="need their scales"):
+        cpu_kernels.DecodeCall(kv[0].to(torch.int8), kv[1].to(torch.int8), 16, 16 * 16, 1)
 
 
-@pytest.mark.parametrize("layout", ["full", "mixed"])
-def test_engine_tokens_equal_without_the_kernel(compiled, tiny_models, monkeypatch, layout):
-    """float32 greedy tokens and logprobs with the kernel (one call per class and layer)
-    and with PyTorch's attention (the path of machines without a compiler), batch of 3,
-    the window ring filling and wrapping."""
+@pytest.mark.parametrize("layout,budget,kv", [("full", 2048, "auto"), ("mixed", 2048, "auto"), ("mixed", 16, "auto"),
+                                              ("mixed", 2048, "int8"), ("mixed", 16, "int8")])
+def test_engine_tokens_equal_without_the_kernel(compiled, tiny_models, monkeypatch, layout, budget, kv):
+    """float32 greedy tokens and logprobs with the kernel and with PyTorch's attention (the
+    path of machines without a compiler), plain and int8 caches, batch of 3, the window
+    ring filling and wrapping. With a 16-token step budget, prompts are prefilled in chunks beside other
+    sequences' decode rows: those steps take the kernel for their decode rows too."""
     path = str(tiny_models["llama"])
     opts = dict(head_layout="full" if layout == "full" else _mixed(), kv_cache_memory=1 << 24,
-                dtype="float32", block_size=4, enforce_eager=True)
+                dtype="float32", block_size=4, enforce_eager=True, max_num_batched_tokens=budget,
+                kv_cache_dtype=kv)
     params = SamplingParams(max_tokens=24, temperature=0.0, logprobs=0)
-    calls = []
+    calls, mixed = [], []
     real = cpu_kernels.DecodeCall.__call__
-    monkeypatch.setattr(cpu_kernels.DecodeCall, "__call__", lambda self, *a, **k: calls.append(1) or real(self, *a, **k))
+
+    def counted(self, q, out, table, lens, scale, new=None):
+        calls.append(1)
+        mixed.append(new is None)  # called from full_decode / window_decode: a mixed step
+        return real(self, q, out, table, lens, scale, new)
+
+    monkeypatch.setattr(cpu_kernels.DecodeCall, "__call__", counted)
     with_kernel = LLM(path, **opts)
     assert with_kernel.engine.runner.decode_tables
     fast = with_kernel.generate(PROMPTS, params, use_tqdm=False)
     assert calls, "decode did not go through the kernel"
+    assert any(mixed) == (budget < 100)
     monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     without = LLM(path, **opts)
     assert not without.engine.runner.decode_tables
@@ -134,10 +170,11 @@ def test_engine_tokens_equal_without_the_kernel(compiled, tiny_models, monkeypat
             assert abs(x - y) < 1e-4
 
 
-def test_quantized_layers_keep_the_general_path(compiled, tiny_models):
-    """int8 caches are not the kernel's: the layer's state says so and decode still works."""
+def test_float16_caches_keep_the_general_path(compiled, tiny_models):
+    """float16 caches under float32 compute are not the kernel's (values neither stored as
+    computed nor int8): the layer's state says so and decode still works."""
     llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
-              block_size=4, kv_cache_dtype="int8", enforce_eager=True)
+              block_size=4, kv_cache_dtype="float16", enforce_eager=True)
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
     states = [a.backend_state for a in llm.engine.runner.model.attention_layers()]
@@ -172,4 +209,4 @@ def test_without_openmp_the_kernel_runs_on_one_thread(compiled, fresh_build, mon
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is not None
     assert any("without OpenMP" in r.getMessage() for r in caplog.records)
-    test_paged_blocks_match_sdpa(None, torch.float32, 3, 3, 64)
+    test_paged_blocks_match_sdpa(None, torch.float32, "int8", 3, 3, 64)

@@ -31,14 +31,16 @@ BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 # AVX-512 machines: GCC otherwise prefers 256-bit vectors
 X86_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 FLAG_SETS = [BASE_FLAGS + X86_FLAGS + ["-fopenmp"], BASE_FLAGS + X86_FLAGS]  # tried in order
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # the kernel's bf16 flag
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # q's dtype -> the kernel's bf16 flag
+KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # cache values -> its type
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p
 _SIGNATURE = [_ptr, _i64, _i64, _ptr, _i64, _i64,       # q, out
               _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr,  # new K/V rows, write rows
               _ptr, _ptr, _i64, _i64, _i64,             # cache K/V and strides
+              _ptr, _ptr, _i64, _i64, _i64,             # int8: their scales and strides
               _ptr, _i64, _i64, _i64, _ptr, _i64,       # table, width, block, lens, cap
-              _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+              _i64, _i64, _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int]
 
 
 def _cpu_id() -> str:
@@ -107,11 +109,15 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
-def usable(q: torch.Tensor, cache: torch.Tensor) -> bool:
-    """Whether the kernel takes q against this cache (CPU, same float dtype, rows of D
-    contiguous) and the library is there."""
-    return (q.device.type == "cpu" and cache.device.type == "cpu" and q.dtype == cache.dtype
-            and q.dtype in DTYPES and q.stride(-1) == 1 and cache.stride(-1) == 1
+def usable(q: torch.Tensor, k) -> bool:
+    """Whether the kernel takes q against this class's cache `k` (a KVTensor: values and,
+    quantized, scales): on the CPU, q float32 or bfloat16, values stored as q or int8 with
+    q's dtype for scales, rows of a multiple of 16 contiguous; and the library is there."""
+    data, scale = k.data, k.scale
+    stored = (data.dtype == q.dtype and scale is None) or (
+        data.dtype == torch.int8 and scale is not None and scale.dtype == q.dtype)
+    return (stored and q.device.type == "cpu" and data.device.type == "cpu" and q.dtype in DTYPES
+            and q.stride(-1) == 1 and data.stride(-1) == 1 and data.shape[-1] % 16 == 0
             and library() is not None)
 
 
@@ -119,33 +125,48 @@ class DecodeCall:
     """Decode attention of one head class of one layer, through cpu_decode.c, without a
     copy of the cache. Built once per cache view; a call passes only the step's tensors.
 
-    k, v: [nkv, ..., D] views of the cache whose dim 0 is the KV head and whose
+    k, v: [nkv, ..., D] views of the cache values whose dim 0 is the KV head and whose
     last-but-one stride steps one key row. Key row p of sequence b is at
     k[h] + table[b, p // block] * block_stride + (p % block) * row stride; sequence b
-    attends its first min(lens[b], cap) rows (cap: a ring's length, else None). The class
-    is KV heads [head, head + nkv) of the layer, with g query heads each."""
+    attends its first min(lens[b], cap) rows (cap: a ring's length, else None). int8
+    values come with `scales` = (k scales, v scales [nkv, ...] laid out as the rows,
+    their block stride). The class is KV heads [head, head + nkv) of the layer, with g
+    query heads each."""
 
     def __init__(self, k: torch.Tensor, v: torch.Tensor, block: int, block_stride: int, g: int,
-                 head: int = 0, cap: int | None = None) -> None:
-        if k.stride() != v.stride() or k.dtype not in DTYPES:
-            raise ValueError("K and V views must share their strides and be float32 or bfloat16")
+                 head: int = 0, cap: int | None = None,
+                 scales: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
+        if k.stride() != v.stride() or k.dtype != v.dtype or k.dtype not in KV_TYPES:
+            raise ValueError("K and V views must share their strides and be float32, bfloat16 or int8")
+        if (k.dtype == torch.int8) != (scales is not None):
+            raise ValueError("int8 values need their scales, and only they have scales")
         self.lib = library()
         self.nkv, self.D, self.g, self.head = k.shape[0], k.shape[-1], g, head
-        self.dtype, self.bf16 = k.dtype, DTYPES[k.dtype]
+        self.type = KV_TYPES[k.dtype]
         self.cache = (k.data_ptr(), v.data_ptr(), k.stride(0), block_stride, k.stride(-2))
+        if scales is None:
+            self.dtype = k.dtype
+            self.scales = (None, None, 0, 0, 0)
+        else:
+            ks, vs, scale_block_stride = scales
+            if ks.stride() != vs.stride() or ks.dtype != vs.dtype or ks.dtype not in DTYPES:
+                raise ValueError("K and V scales must share their strides and be float32 or bfloat16")
+            self.dtype = ks.dtype
+            self.scales = (ks.data_ptr(), vs.data_ptr(), ks.stride(0), scale_block_stride, ks.stride(-1))
+        self.bf16 = DTYPES[self.dtype]
         self.block, self.cap = block, (1 << 62) if cap is None else cap
-        self.views = (k, v)  # kept alive with the pointers
+        self.views = (k, v, scales)  # kept alive with the pointers
 
     def __call__(self, q: torch.Tensor, out: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
                  scale: float, new: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
-        """q, out: the layer's [B, Hq, D] (any strides but D's), in the cache's dtype;
-        table [B, W] and lens [B] int32, unit inner stride. new: (k, v [B, Hkv, D],
-        rows [B] int64): the step's own K/V, written first at key row rows[b] of each
-        sequence, or None."""
+        """q, out: the layer's [B, Hq, D] (any strides but D's), in the compute dtype (the
+        cache's, or its scales'); table [B, W] and lens [B] int32, unit inner stride.
+        new: (k, v [B, Hkv, D] in q's dtype, rows [B] int64): the step's own K/V, written
+        first (quantized for an int8 cache) at key row rows[b] of each sequence, or None."""
         B, H, D = q.shape
         first, g = self.head * self.g, self.g  # the class's first query head
         if q.dtype != self.dtype or out.dtype != self.dtype or q.stride(-1) != 1 or out.stride(-1) != 1:
-            raise ValueError("q and out must be unit-stride rows in the cache's dtype")
+            raise ValueError("q and out must be unit-stride rows in the cache's compute dtype")
         if D != self.D or H < first + self.nkv * g or out.shape != q.shape:
             raise ValueError(f"q and out must be [B, >= {first + self.nkv * g}, {self.D}]")
         if table.dtype != torch.int32 or lens.dtype != torch.int32 or table.stride(-1) != 1 or lens.stride(0) != 1:
@@ -157,15 +178,16 @@ class DecodeCall:
             kn, vn, rows = new
             if (kn.dtype != self.dtype or vn.dtype != self.dtype or kn.stride(-1) != 1 or vn.stride(-1) != 1
                     or rows.dtype != torch.int64 or kn.shape[1] < self.head + self.nkv):
-                raise ValueError("new K/V must be unit-stride rows of the cache's dtype holding the "
+                raise ValueError("new K/V must be unit-stride rows of the compute dtype holding the "
                                  "class's heads; rows must be int64")
             written = (kn.data_ptr() + self.head * kn.stride(1) * e, kn.stride(0), kn.stride(1),
                        vn.data_ptr() + self.head * vn.stride(1) * e, vn.stride(0), vn.stride(1), rows.data_ptr())
         rc = self.lib.paged_decode(
             q.data_ptr() + first * q.stride(1) * e, q.stride(0), q.stride(1),
             out.data_ptr() + first * out.stride(1) * e, out.stride(0), out.stride(1),
-            *written, *self.cache, table.data_ptr(), table.stride(0), table.shape[-1], self.block, lens.data_ptr(),
-            self.cap, B, self.nkv, g, self.D, scale, self.bf16, torch.get_num_threads())
+            *written, *self.cache, *self.scales, table.data_ptr(), table.stride(0), table.shape[-1],
+            self.block, lens.data_ptr(), self.cap, B, self.nkv, g, self.D, scale, self.type, self.bf16,
+            torch.get_num_threads())
         if rc == -2:
             raise ValueError("a sequence's keys or write row lie past its table")
         if rc:

@@ -38,28 +38,43 @@ def decode_kernel(device: torch.device) -> bool:
     return device.type == "cpu" and cpu_kernels.library() is not None
 
 
+def pool_call(k: KVTensor, v: KVTensor, block_size: int, g: int) -> cpu_kernels.DecodeCall:
+    """The C kernel's call for a layer's full heads: K/V [nf, slots, D] (+ scales [nf, slots])."""
+    scales = None if k.scale is None else (k.scale, v.scale, block_size * k.scale.stride(1))
+    return cpu_kernels.DecodeCall(k.data, v.data, block_size, block_size * k.data.stride(1), g, scales=scales)
+
+
+def ring_call(wg: WindowGroup, g: int, head: int) -> cpu_kernels.DecodeCall:
+    """The C kernel's call for a window group's rings [S, n, R, D] (+ scales [S, n, R]),
+    the group being KV heads [head, head + n) of the queries it is given."""
+    k, v = wg.k_ring.data.transpose(0, 1), wg.v_ring.data.transpose(0, 1)  # [n, S, R, D]
+    scales = None
+    if wg.k_ring.scale is not None:
+        ks, vs = wg.k_ring.scale.transpose(0, 1), wg.v_ring.scale.transpose(0, 1)  # [n, S, R]
+        scales = (ks, vs, ks.stride(1))
+    R = k.shape[2]
+    return cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, head, cap=R, scales=scales)
+
+
 class KernelCalls:
     """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head class: `full` (or
-    None without full heads) and one per window group. Built on the layer's first decode
-    step; a layer whose caches the kernel does not take (quantized, another dtype) gets
-    none and keeps the code below."""
+    None without full heads) and one per window group with its (sink, window). Built on
+    the layer's first decode step; a layer whose caches the kernel does not take (fp8,
+    another dtype) gets none and keeps the code below."""
 
     def __init__(self, layer: HeadSplitAttention, q: torch.Tensor, block_size: int) -> None:
         caches = ([layer.k_full] if layer.num_full else []) + [wg.k_ring for wg in layer.window_groups]
-        self.ok = all(c.plain and cpu_kernels.usable(q, c.data) for c in caches)
+        self.ok = all(cpu_kernels.usable(q, c) for c in caches)
         if not self.ok:
             return
         g = layer.group
-        self.full = None
-        if layer.num_full:
-            k, v = layer.k_full.data, layer.v_full.data  # [nf, slots, D]
-            self.full = cpu_kernels.DecodeCall(k, v, block_size, block_size * k.stride(1), g)
-        self.windows = []
-        for wg in layer.window_groups:
-            k, v = wg.k_ring.data.transpose(0, 1), wg.v_ring.data.transpose(0, 1)  # [n, S, R, D]
-            R = k.shape[2]
-            self.windows.append((cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, wg.kv_start, cap=R),
-                                 (wg.sink, wg.window)))
+        self.full = pool_call(layer.k_full, layer.v_full, block_size, g) if layer.num_full else None
+        self.windows = [(ring_call(wg, g, wg.kv_start), (wg.sink, wg.window)) for wg in layer.window_groups]
+
+
+def _kernel_takes(q: torch.Tensor, cache: KVTensor, ctx: StepContext) -> bool:
+    """Whether the C kernel attends these decode rows (the runner built its metadata)."""
+    return ctx.decode_lens_i32 is not None and cpu_kernels.usable(q, cache)
 
 
 def fused_decode(layer: HeadSplitAttention, ctx: StepContext, q: torch.Tensor, k: torch.Tensor,
@@ -97,6 +112,10 @@ def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale
     B, H, D = q.shape
     nf = k_cache.shape[0]
     out = torch.empty_like(q)
+    if _kernel_takes(q, k_cache, ctx):  # a step with prefill chunks too: K/V written already
+        pool_call(k_cache, v_cache, ctx.block_size, H // nf)(q, out, ctx.decode_block_tables,
+                                                             ctx.decode_lens_i32, scale)
+        return out
     for i in range(B):
         r = ctx.decode_runs[i]
         qi = q[i].view(nf, H // nf, D)
@@ -179,6 +198,10 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
     slots, lens = ctx.decode_ring_slots, ctx.decode_lens
     B, H, D = q.shape
     S, n, R, _ = wg.k_ring.shape
+    if q_sink is None and _kernel_takes(q, wg.k_ring, ctx):  # K/V written already
+        out = torch.empty_like(q)
+        ring_call(wg, H // n, 0)(q, out, ctx.decode_ring_table, ctx.decode_lens_i32, scale)
+        return out
     if q_sink is None and B <= 2 and ctx.decode_min_len >= R:
         # One or two sequences whose rings are full (no mask): fused SDPA on each ring in
         # place, 2.6x faster at one sequence (bfloat16, R = 576); slower from ~8.
