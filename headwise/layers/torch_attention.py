@@ -10,6 +10,15 @@ The layer has already written the step's full-head K/V into the pool and the dec
 tokens' window-head K/V into the rings; prefill ring writes follow the call. Caches are
 KVTensors: decode attends a quantized class in its stored form (scaled_attention), other
 reads dequantize only the sequence or ring at hand.
+
+Two hooks every backend has as well:
+    decode_kernel(device) -> bool: whether the runner builds the C kernel's metadata
+    fused_decode(layer, ctx, q, k, v) -> [B, Hq, D] or None: a whole decode-only step of
+        a layer (writes and attention), or None for the four functions above.
+On the CPU, decode rows go through headwise's C kernel (kernels/cpu_decode.c): a
+decode-only step in fused_decode, the decode rows of a step with prefill chunks in
+full_decode / window_decode; the PyTorch code below serves where the kernel does not
+(no compiler, caches it does not take, re-based positions).
 """
 from __future__ import annotations
 
