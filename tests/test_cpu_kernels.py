@@ -4,6 +4,7 @@ K/V where the general path writes them, and engines with and without it give the
 tokens."""
 from __future__ import annotations
 
+import platform
 import shutil
 
 import pytest
@@ -210,3 +211,18 @@ def test_without_openmp_the_kernel_runs_on_one_thread(compiled, fresh_build, mon
         assert cpu_kernels.library() is not None
     assert any("without OpenMP" in r.getMessage() for r in caplog.records)
     test_paged_blocks_match_sdpa(None, torch.float32, "int8", 3, 3, 64)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 flag")
+def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatch):
+    """Built for a CPU without AVX-512 (as many laptops are), the kernel's generic vector
+    code gives the same results as its intrinsics."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    wrapper = fresh_build / "cc-no-avx512"
+    wrapper.write_text(f'#!/bin/sh\nexec {real} "$@" -mno-avx512f\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    assert cpu_kernels.library() is not None
+    test_paged_blocks_match_sdpa(None, torch.bfloat16, "int8", 1, 4, 256)
+    test_paged_blocks_match_sdpa(None, torch.float32, "plain", 3, 3, 64)
+    test_rings_match_sdpa_and_take_the_new_token(None, torch.bfloat16, "plain")
