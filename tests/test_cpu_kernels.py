@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from headwise import LLM, SamplingParams
+from headwise.cache.layout import HeadLayout
+from headwise.cache.spec import KVClassSpec
 from headwise.kernels import cpu_kernels
 from headwise.layers.kv_tensor import dequantize, quantize
 from headwise.layers import torch_attention
@@ -171,15 +173,21 @@ def test_engine_tokens_equal_without_the_kernel(compiled, tiny_models, monkeypat
             assert abs(x - y) < 1e-4
 
 
-def test_float16_caches_keep_the_general_path(compiled, tiny_models):
+def test_float16_caches_keep_the_general_path(compiled, tiny_models, monkeypatch):
     """float16 caches under float32 compute are not the kernel's (values neither stored as
-    computed nor int8): the layer's state says so and decode still works."""
+    computed nor int8): the runner builds no kernel metadata, no layer calls the kernel,
+    and decode still works."""
+    calls = []
+    monkeypatch.setattr(cpu_kernels.DecodeCall, "__call__", lambda self, *a, **k: calls.append(1))
     llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
               block_size=4, kv_cache_dtype="float16", enforce_eager=True)
+    runner = llm.engine.runner
+    assert not runner.decode_tables and not runner.full_by_kernel
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
-    states = [a.backend_state for a in llm.engine.runner.model.attention_layers()]
-    assert states and all(isinstance(s, torch_attention.KernelCalls) and not s.ok for s in states)
+    assert not calls
+    states = [a.backend_state for a in runner.model.attention_layers()]
+    assert states and all(s is None or not s.ok for s in states)
 
 
 @pytest.fixture
@@ -196,7 +204,8 @@ def test_a_failing_compiler_means_pytorch_attention(fresh_build, monkeypatch, ca
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is None
     assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
-    assert not torch_attention.decode_kernel(torch.device("cpu"))
+    spec = KVClassSpec.resolve("full", "auto", torch.float32, 64)
+    assert not torch_attention.decode_kernel(torch.device("cpu"), spec, torch.float32)
     assert not list((fresh_build / "cache").rglob("*.tmp"))  # no half-written library left
 
 
@@ -226,3 +235,22 @@ def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatc
     test_paged_blocks_match_sdpa(None, torch.bfloat16, "int8", 1, 4, 256)
     test_paged_blocks_match_sdpa(None, torch.float32, "plain", 3, 3, 64)
     test_rings_match_sdpa_and_take_the_new_token(None, torch.bfloat16, "plain")
+
+
+@pytest.mark.parametrize("kv_dtype", [{"full": "int8", "window": "float16"}, {"full": "float16", "window": "int8"}])
+def test_one_class_through_the_kernel_the_other_not(compiled, tiny_models, kv_dtype):
+    """Per-class KV dtypes where the kernel takes one class only: that class decodes
+    through it (the runner builds block tables or slot runs to match), the other through
+    PyTorch's code, and greedy tokens equal an engine without the kernel's classes."""
+    path = str(tiny_models["llama"])
+    base = _mixed()
+    lay = HeadLayout(base.name, base.num_layers, base.num_kv_heads, base.head_dim, base.heads, kv_dtype=kv_dtype)
+    opts = dict(kv_cache_memory=1 << 24, dtype="float32", block_size=4, enforce_eager=True)
+    llm = LLM(path, head_layout=lay, **opts)
+    runner = llm.engine.runner
+    assert runner.decode_tables and runner.full_by_kernel == (kv_dtype["full"] == "int8")
+    params = SamplingParams(max_tokens=16, temperature=0.0)
+    got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    ref = LLM(path, head_layout=lay, **opts)
+    ref.engine.runner.decode_tables = ref.engine.runner.full_by_kernel = False  # no kernel metadata: PyTorch's code
+    assert got == [o.token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]

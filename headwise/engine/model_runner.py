@@ -24,9 +24,11 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend = attention_backend(backend)
-        # Whether decode attention reads block tables and int32 lengths besides what the
-        # backend needs anyway (the torch backend's C kernel on the CPU)
-        self.decode_tables = self.backend.decode_kernel(self.device)
+        # Which head classes decode through the torch backend's C kernel on the CPU: it
+        # reads block tables and int32 lengths, and full heads it takes need no slot runs.
+        geo = cache.geometry
+        self.full_by_kernel = self.backend.decode_kernel(self.device, geo.full, dtype)
+        self.decode_tables = self.full_by_kernel or self.backend.decode_kernel(self.device, geo.window, dtype)
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
         self.window_kinds = cache.geometry.window_kinds()
@@ -114,12 +116,12 @@ class ModelRunner:
             ctx.decode_min_len, ctx.decode_ring_slot_list = min(lens), ring_slots
             for sink, window in self.window_kinds:
                 ctx.decode_ring_index[(sink, window)] = ring_index(positions[:B], sink, window)
-            if tables or (self.decode_tables and cache.has_full_heads):
+            if cache.has_full_heads and (tables or self.full_by_kernel):
                 rows = [cache.block_table(s.seq_id) for s, _ in decodes]
                 width = max(map(len, rows))
                 ctx.decode_block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows],
                                                        dtype=torch.int32, device=dev)
-            if not tables and cache.has_full_heads:
+            elif cache.has_full_heads:
                 ctx.decode_runs = [cache.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
             if self.decode_tables:
                 ctx.decode_lens_i32 = torch.tensor(lens, dtype=torch.int32, device=dev)

@@ -109,16 +109,22 @@ def library() -> ctypes.CDLL | None:
     return None
 
 
+def takes(compute: torch.dtype, values: torch.dtype, scales: torch.dtype | None, head_dim: int) -> bool:
+    """Whether the kernel attends a cache stored so, for a model computing in `compute`:
+    float32 or bfloat16 compute, values stored as computed or int8 with scales in the
+    compute dtype, a head size that is a multiple of 16."""
+    stored = (values == compute and scales is None) or (values == torch.int8 and scales == compute)
+    return stored and compute in DTYPES and head_dim % 16 == 0
+
+
 def usable(q: torch.Tensor, k) -> bool:
     """Whether the kernel takes q against this class's cache `k` (a KVTensor: values and,
-    quantized, scales): on the CPU, q float32 or bfloat16, values stored as q or int8 with
-    q's dtype for scales, rows of a multiple of 16 contiguous; and the library is there."""
+    quantized, scales): on the CPU, stored as `takes` says, rows contiguous; and the
+    library is there."""
     data, scale = k.data, k.scale
-    stored = (data.dtype == q.dtype and scale is None) or (
-        data.dtype == torch.int8 and scale is not None and scale.dtype == q.dtype)
-    return (stored and q.device.type == "cpu" and data.device.type == "cpu" and q.dtype in DTYPES
-            and q.stride(-1) == 1 and data.stride(-1) == 1 and data.shape[-1] % 16 == 0
-            and library() is not None)
+    return (takes(q.dtype, data.dtype, None if scale is None else scale.dtype, data.shape[-1])
+            and q.device.type == "cpu" and data.device.type == "cpu"
+            and q.stride(-1) == 1 and data.stride(-1) == 1 and library() is not None)
 
 
 class DecodeCall:

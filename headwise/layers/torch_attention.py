@@ -12,7 +12,8 @@ KVTensors: decode attends a quantized class in its stored form (scaled_attention
 reads dequantize only the sequence or ring at hand.
 
 Two hooks every backend has as well:
-    decode_kernel(device) -> bool: whether the runner builds the C kernel's metadata
+    decode_kernel(device, spec, compute) -> bool: whether decode of a head class stored as
+        `spec` (a KVClassSpec) goes through the C kernel, so the runner builds its metadata
     fused_decode(layer, ctx, q, k, v) -> [B, Hq, D] or None: a whole decode-only step of
         a layer (writes and attention), or None for the four functions above.
 On the CPU, decode rows go through headwise's C kernel (kernels/cpu_decode.c): a
@@ -25,6 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from headwise.cache.spec import KVClassSpec
 from headwise.kernels import cpu_kernels
 from headwise.layers.attention import HeadSplitAttention, WindowGroup
 from headwise.layers.context import PrefillChunk, StepContext
@@ -41,10 +43,12 @@ SPLIT_PARTS = 2
 MAX_RUNS = 32
 
 
-def decode_kernel(device: torch.device) -> bool:
-    """Whether decode attends through the C kernel (kernels/cpu_decode.c) on this device:
-    on the CPU where it compiled. It then needs block tables and int32 lengths."""
-    return device.type == "cpu" and cpu_kernels.library() is not None
+def decode_kernel(device: torch.device, spec: KVClassSpec, compute: torch.dtype) -> bool:
+    """Whether decode of a head class stored as `spec` attends through the C kernel
+    (kernels/cpu_decode.c): on the CPU where it compiled, a storage it takes. It then
+    needs block tables and int32 lengths, not slot runs."""
+    return (device.type == "cpu" and cpu_kernels.takes(compute, spec.dtype, spec.scale_dtype, spec.head_dim)
+            and cpu_kernels.library() is not None)
 
 
 def pool_call(k: KVTensor, v: KVTensor, block_size: int, g: int) -> cpu_kernels.DecodeCall:

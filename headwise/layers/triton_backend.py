@@ -18,8 +18,8 @@ NAME = "triton"
 PAGED = True
 
 
-def decode_kernel(device: torch.device) -> bool:
-    """Whether decode needs the torch backend's C-kernel metadata (never here)."""
+def decode_kernel(device: torch.device, spec, compute: torch.dtype) -> bool:
+    """Whether decode of a class goes through the torch backend's C kernel (never here)."""
     return False
 
 
