@@ -177,6 +177,10 @@ def _check_books(cache, running):
         assert pool.key[b] == ("b", h)
     for h, snap in cache.index.snapshots.items():
         assert all(pool.key[b] == ("s", h) for b in snap.pages)
+    ring = cache.ring  # each ring slot free or held by one running sequence; none lent
+    if ring.active:
+        assert not ring.lent and ring.num_free + len(running) == ring.num_slots
+        assert len({ring.slot_of[s.seq_id] for s in running}) == len(running)
 
 
 @pytest.mark.parametrize("kind", ["full", "mixed", "window"])
@@ -276,3 +280,70 @@ def test_snapshots_do_not_split_a_sequence_into_runs(tiny_models):
     assert len(eng.cache.slot_runs(seq.seq_id, seq.num_computed_tokens)) == 1
     while eng.has_unfinished():
         eng.step()
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("window", "auto"), ("mixed", "auto"), ("mixed", "int8")])
+@pytest.mark.parametrize("budget", [2048, 128])
+def test_snapshot_points_inside_a_chunk_do_not_cut_it(tiny_models, kind, kv_dtype, budget):
+    """A 200-token document plans snapshots at 68 (TRAILING_TOKENS before its last block
+    boundary) and 196. Neither cuts the prefill: in one chunk, or in chunks [0, 128) and
+    [128, 200), whose second starts from a copy of the ring; the state at each point is
+    saved from a scratch ring slot, and questions hitting either point answer as without
+    caching (float32)."""
+    cached, plain = _pair(str(tiny_models["llama"]), kind, max_num_batched_tokens=budget,
+                          kv_cache_dtype=kv_dtype)
+    eng = cached.engine
+    doc = [5 + i % 300 for i in range(200)]
+    seq = eng.add_request(doc, SamplingParams(max_tokens=1, ignore_eos=True))
+    steps = []
+    while eng.has_unfinished():
+        eng.step()
+        steps.append(seq.num_computed_tokens)
+    assert steps[0] == min(budget, 200) and steps[-1] == 200
+    hashes = eng.cache.match_prefix(doc + [7]).hashes
+    assert {hashes[68 // 4 - 1], hashes[196 // 4 - 1]} <= set(eng.cache.index.snapshots)
+    assert eng.cache.ring.num_free == eng.cache.ring.num_slots and not eng.cache.ring.lent
+    for prompt, hit in ((doc[:70] + [9, 10, 11], 68), (doc[:198] + [12, 13], 196)):
+        got = cached.generate([prompt], GREEDY, use_tqdm=False)[0]
+        _same(got, plain.generate([prompt], GREEDY, use_tqdm=False)[0])
+        assert got.num_cached_tokens == hit
+
+
+def test_plan_chunk_lends_scratch_slots_or_cuts():
+    """Points inside a chunk get a free ring slot each (a copy of the ring first when the
+    chunk does not start at 0), given back at commit; without a free slot the chunk ends
+    at the point instead."""
+    layout = mixed((2, 2, 4))
+    cache = KVCacheManager(layout, 4, 1 << 20, 2, torch.float32, enable_prefix_caching=True)
+    ids = list(range(100, 300))
+    toks = lambda a, b: ids[a:b]  # noqa: E731
+    hit = cache.match_prefix(ids)
+    assert hit.points == [68, 196]
+    # Admitted, it takes one of the two slots: one is spare, for the first point inside.
+    assert cache.plan_chunk(1, 0, 128, hit) == 128
+    assert cache.plan_chunk(1, 0, 200, hit) == 196  # two points inside: cut at the second
+    cache.allocate(1, 128, hit)
+    assert cache.chunk_snapshots(1) == [(68, 1)] and cache.ring.num_free == 0
+    assert cache.pop_ops() == []  # the chunk starts at 0: nothing to copy into the scratch slot
+    cache.commit(1, toks, 128)
+    (save,) = cache.pop_ops()
+    assert save.save and save.anchor and save.ring_slot == 1  # 68: an anchor
+    assert cache.ring.num_free == 1 and cache.chunk_snapshots(1) == []
+    cache.ops_done([save])
+    assert cache.plan_chunk(1, 128, 200) == 200
+    cache.append(1, 200)
+    (clone,) = cache.pop_ops()
+    assert (clone.src, clone.dst) == (0, 1) and cache.chunk_snapshots(1) == [(196, 1)]
+    cache.commit(1, toks, 200)
+    save, rolling = cache.pop_ops()  # (the prompt is all in: the latest state, speculative)
+    assert save.ring_slot == 1 and not save.anchor and cache.ring.num_free == 1  # 196: speculative
+    assert rolling.ring_slot == 0 and not rolling.anchor
+    cache.ops_done([save, rolling])
+    assert len(cache.index.snapshots) == 3 and hit.hashes[68 // 4 - 1] in cache.index.snapshots
+    # Another sequence takes the free slot: no spare left, so the first's next point cuts.
+    cache.allocate(2, 8, cache.match_prefix([1] * 9))
+    cache.free(1)
+    hit = cache.match_prefix(list(range(500, 700)))
+    assert cache.plan_chunk(3, 0, 200, hit) == 68
+    cache.free(2)
+    cache.full.blocks.check()

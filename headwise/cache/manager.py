@@ -19,7 +19,9 @@ asks the runner to save its ring as a snapshot:
   - speculative (evicted first): the last block boundary before the end of the prompt
     (an exact repeat), and the latest block boundary while decoding (the next chat turn
     starts from it).
-A speculative snapshot that serves a hit becomes an anchor.
+A speculative snapshot that serves a hit becomes an anchor. A point inside a prefill
+chunk does not cut the chunk: a free ring slot is lent for the step as scratch, the
+layers write the state at that point into it, and commit saves it (plan_chunk).
 """
 from __future__ import annotations
 
@@ -31,7 +33,7 @@ from headwise.cache.block_pool import BlockPool
 from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
-from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingCopy
+from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingClone, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.spec import CacheGeometry, class_specs
@@ -49,8 +51,11 @@ class _SeqBooks:
     hit: PrefixHit
     hashes: list[int]
     num_registered: int = 0
+    computed: int = 0              # tokens in the cache as of the last commit
     rolling: int | None = None     # its latest decode snapshot
     saved: list[tuple[int, int]] = field(default_factory=list)  # (point, key) of its anchors
+    # Points inside the chunk being computed, each with the scratch ring slot lent for it
+    scratch: list[tuple[int, int]] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -91,7 +96,7 @@ class KVCacheManager:
         self._root = root_hash(("headwise", layout.shape, str(dtype), geo.full.label, geo.window.label, block_size,
                                 tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
         self._seqs: dict[int, _SeqBooks] = {}
-        self._ops: list[RingCopy | PageOut | PageIn] = []
+        self._ops: list[RingCopy | RingClone | PageOut | PageIn] = []
         self.tier: DiskTier | None = None
 
     def attach_tier(self, tier: DiskTier) -> None:
@@ -175,11 +180,37 @@ class KVCacheManager:
             hit.reach = reach
         return hit
 
-    def stop_point(self, seq_id: int, start: int, end: int) -> int:
-        """End of a running sequence's next prefill chunk [start, end): cut at a planned
-        snapshot point so that the ring holds exactly that state after the step."""
+    def plan_chunk(self, seq_id: int, start: int, end: int, hit: PrefixHit | None = None) -> int:
+        """End of a sequence's next prefill chunk [start, end) (`hit`: a sequence about to
+        be admitted with it). Window state at a planned snapshot point inside the chunk is
+        written by the layers into a free ring slot lent for the step (lent by append or
+        allocate, see chunk_snapshots) and saved from there at commit; where no free slot
+        is left for a point, the chunk ends at that point instead, so that the sequence's
+        own ring holds the state after the step."""
         books = self._seqs.get(seq_id)
-        return books.hit.stop(start, end) if books else end
+        hit = hit or (books.hit if books else None)
+        if hit is None:
+            return end
+        inside = [p for p in hit.points if start < p < end]
+        spare = max(0, self.ring.num_free - (books is None))  # an admitted one takes a slot first
+        return inside[spare] if len(inside) > spare else end
+
+    def chunk_snapshots(self, seq_id: int) -> list[tuple[int, int]]:
+        """(point, scratch ring slot) of the snapshot points inside the sequence's chunk of
+        this step: its layers write the window state at each point into the slot."""
+        books = self._seqs.get(seq_id)
+        return list(books.scratch) if books else []
+
+    def _lend_scratch(self, seq_id: int, books: _SeqBooks, end: int) -> None:
+        """Lend scratch ring slots to the points inside the chunk [books.computed, end),
+        holding the ring's state at the chunk's start (planned by plan_chunk)."""
+        start = books.computed
+        for p in books.hit.points:
+            if start < p < end and self.ring.num_free:
+                slot = self.ring.lend()
+                if start:  # (before the first token the ring holds nothing to keep)
+                    self._ops.append(RingClone(self.ring.slot(seq_id), slot))
+                books.scratch.append((p, slot))
 
     def commit(self, seq_id: int, token_ids, num_computed: int) -> None:
         """After a step: `num_computed` tokens of the sequence are in the cache.
@@ -200,25 +231,39 @@ class KVCacheManager:
                     self.index.add_block(h[i], table[i], h[i - 1] if i else self._root,
                                          toks[(i - done) * bs:(i - done + 1) * bs])
             books.num_registered = nfull
+        books.computed = num_computed
+        for point, slot in books.scratch:  # points inside the chunk, from their scratch slots
+            self._save_point(books, point, slot, token_ids)
+            self.ring.take_back(slot)  # the save is queued first, so the slot may be reused
+        books.scratch.clear()
         if not self.snapshot_pages or num_computed % bs or not num_computed:
             return
-        key = h[nfull - 1]
-        meta = (h[nfull - 2] if nfull > 1 else self._root, token_ids(num_computed - bs, num_computed))
         if num_computed in books.hit.points:
-            saved = self._save(seq_id, key, num_computed in books.hit.anchors, meta)
-            if saved:
-                books.saved.append((num_computed, key))
-            loaded = self.index.snapshots.get(books.hit.snapshot)
-            if num_computed == books.hit.reach and key in self.index.snapshots and loaded:
-                loaded.anchor = False  # the prefix's new, longer state supersedes it
-                self.full.blocks.demote(loaded.pages)
+            self._save_point(books, num_computed, self.ring.slot(seq_id), token_ids)
         elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
             old = self.index.snapshots.get(books.rolling)
             if old is not None and not old.anchor:  # (one that served a hit stays)
                 self.index.drop_snapshot(books.rolling)
-            books.rolling = key if self._save(seq_id, key, False, meta) else None
+            key = books.hashes[nfull - 1]
+            saved = self._save(key, False, self._meta(books, num_computed, token_ids), self.ring.slot(seq_id))
+            books.rolling = key if saved else None
 
-    def _save(self, seq_id: int, key: int, anchor: bool, meta: tuple[int, list[int]]) -> bool:
+    def _meta(self, books: _SeqBooks, point: int, token_ids) -> tuple[int, list[int]]:
+        """(previous block's hash, tokens of the block ending at `point`) of a snapshot."""
+        i = point // self.block_size
+        return (books.hashes[i - 2] if i > 1 else self._root, token_ids(point - self.block_size, point))
+
+    def _save_point(self, books: _SeqBooks, point: int, ring_slot: int, token_ids) -> None:
+        """Save the window state after `point` tokens (a planned point), held in `ring_slot`."""
+        key = books.hashes[point // self.block_size - 1]
+        if self._save(key, point in books.hit.anchors, self._meta(books, point, token_ids), ring_slot):
+            books.saved.append((point, key))
+        loaded = self.index.snapshots.get(books.hit.snapshot)
+        if point == books.hit.reach and key in self.index.snapshots and loaded:
+            loaded.anchor = False  # the prefix's new, longer state supersedes it
+            self.full.blocks.demote(loaded.pages)
+
+    def _save(self, key: int, anchor: bool, meta: tuple[int, list[int]], ring_slot: int) -> bool:
         snap = self.index.snapshots.get(key)
         if snap is not None:  # another sequence saved this state already
             if anchor and not snap.anchor:
@@ -232,7 +277,7 @@ class KVCacheManager:
             return False
         pages = pool.take(self.snapshot_pages, high=True)
         self.index.add_snapshot(key, pages, anchor, *meta)
-        self._ops.append(RingCopy(True, self.ring.slot(seq_id), pages, anchor))
+        self._ops.append(RingCopy(True, ring_slot, pages, anchor))
         return True
 
     def pop_ops(self) -> list[RingCopy | PageOut | PageIn]:
@@ -312,7 +357,9 @@ class KVCacheManager:
             self.index.stats.queries += hit.num_prompt
             self.index.stats.hits += hit.num_tokens
             n = hit.num_tokens // self.block_size
-            self._seqs[seq_id] = _SeqBooks(hit, hit.hashes[:n], num_registered=n)
+            books = self._seqs[seq_id] = _SeqBooks(hit, hit.hashes[:n], num_registered=n,
+                                                   computed=hit.num_tokens)
+            self._lend_scratch(seq_id, books, num_tokens)
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return all(p.can_append(seq_id, num_tokens) for p in self.pools)
@@ -320,10 +367,15 @@ class KVCacheManager:
     def append(self, seq_id: int, num_tokens: int) -> None:
         for p in self.pools:
             p.append(seq_id, num_tokens)
+        books = self._seqs.get(seq_id)
+        if books is not None:
+            self._lend_scratch(seq_id, books, num_tokens)
 
     def free(self, seq_id: int) -> None:
         books = self._seqs.pop(seq_id, None)
         self.ring.free(seq_id)
+        for _, slot in books.scratch if books else []:  # (a clone queued into it is harmless)
+            self.ring.take_back(slot)
         if books is None:
             self.full.free(seq_id)
             return

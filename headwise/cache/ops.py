@@ -1,6 +1,6 @@
 """Plain data the cache manager hands out: what a prefix lookup found (PrefixHit), and
 the copies it asks the model runner to make between ring slots, pool pages and the disk
-tier, in order (RingCopy, PageOut, PageIn)."""
+tier, in order (RingCopy, RingClone, PageOut, PageIn)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -15,6 +15,13 @@ class RingCopy:
     ring_slot: int
     pages: list[int]
     anchor: bool = True   # for saves: where the pages go once copied
+
+
+@dataclass
+class RingClone:
+    """Copy one ring slot into another (a running sequence's state into a scratch slot)."""
+    src: int
+    dst: int
 
 
 @dataclass
@@ -45,7 +52,3 @@ class PrefixHit:
     # From the disk tier, read and verified: blocks after `blocks`, then maybe the snapshot.
     from_disk: list[tuple[TierEntry, object]] = field(default_factory=list)
     pending: bool = False   # its prefix is being read from disk: admit it on a later step
-
-    def stop(self, start: int, end: int) -> int:
-        """End of a prefill chunk [start, end): cut at the first planned snapshot point."""
-        return next((p for p in self.points if start < p < end), end)

@@ -2,7 +2,9 @@
 
 A slot holds, for every window head of every layer, sink + window token positions, so
 its size does not depend on the prompt length. No tensors here: the runner owns the
-storage (see CacheGeometry for its layout).
+storage (see CacheGeometry for its layout). A free slot may be lent for one step as
+scratch space (the window state at a snapshot point inside a prefill chunk, see
+KVCacheManager.plan_chunk) and comes back when the step is committed.
 """
 from __future__ import annotations
 
@@ -17,6 +19,20 @@ class RingPool:
         self.num_slots = num_slots if slot_bytes else 0
         self._free: deque[int] = deque(range(self.num_slots))
         self.slot_of: dict[int, int] = {}
+        self.lent: set[int] = set()  # scratch slots out for the current step
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def lend(self) -> int:
+        slot = self._free.popleft()
+        self.lent.add(slot)
+        return slot
+
+    def take_back(self, slot: int) -> None:
+        self.lent.remove(slot)
+        self._free.append(slot)
 
     @property
     def active(self) -> bool:

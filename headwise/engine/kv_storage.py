@@ -69,6 +69,10 @@ class KVStorage:
             dst.copy_(data[at: at + dst.numel()])
             at += dst.numel()
 
+    def copy_ring(self, src: int, dst: int) -> None:
+        for a, b in zip(self._ring_parts(src), self._ring_parts(dst)):
+            b.copy_(a)
+
     def _page_views(self) -> list[torch.Tensor]:
         """The pool as [F, num_blocks, bytes per block per head] byte views of K and V
         values, then their scales when quantized (a page's bytes: its slice of each), or

@@ -5,13 +5,13 @@ from __future__ import annotations
 import torch
 
 from headwise.cache.manager import KVCacheManager
-from headwise.cache.ops import PageOut, RingCopy
+from headwise.cache.ops import PageOut, RingClone, RingCopy
 from headwise.engine.decode_capture import DecodeCapture
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
 from headwise.layers.context import PrefillChunk, StepContext, set_context
-from headwise.layers.window_geometry import ring_index, window_chunk
+from headwise.layers.window_geometry import ring_index, ring_writes, window_chunk
 from headwise.models.causal_lm import CausalLM
 
 
@@ -41,13 +41,16 @@ class ModelRunner:
 
     def apply(self, ops: list, tier=None) -> None:
         """The cache manager's copies, in order: window-state snapshots (ring slot <->
-        pages), pages out to the disk tier (before their reuse) and back in."""
+        pages), ring slot -> scratch ring slot, pages out to the disk tier (before their
+        reuse) and back in."""
         for op in ops:
             if isinstance(op, RingCopy):
                 if op.save:
                     self.kv.write_pages(op.pages, self.kv.read_ring(op.ring_slot))
                 else:
                     self.kv.write_ring(op.ring_slot, self.kv.read_pages(op.pages))
+            elif isinstance(op, RingClone):
+                self.kv.copy_ring(op.src, op.dst)
             elif isinstance(op, PageOut):
                 tier.put(op.entry, self.kv.read_pages(op.pages).cpu())
             else:
@@ -99,6 +102,9 @@ class ModelRunner:
                 for sink, window in self.window_kinds:
                     ch.window[(sink, window)] = window_chunk(start, n, sink, window, self.group_size,
                                                              self.dtype, dev, for_kernels=paged)
+                for point, slot in cache.chunk_snapshots(sid):
+                    ch.snapshots.append((slot, {kind: ring_writes(start, point - start, *kind, dev)
+                                                for kind in self.window_kinds}))
                 chunks.append(ch)
             offset += n
             if start + n == seq.num_tokens:

@@ -3,8 +3,9 @@
 Each step spends a token budget: running requests first (one decode token, or the next
 prefill chunk), then waiting requests in arrival order while every cache pool admits
 them. A waiting request whose prompt starts with a cached prefix skips it: only the
-tokens after it are computed and budgeted. Prefill chunks end where the cache manager
-plans to save window-head state (stop points). When the full-head pool cannot grow a
+tokens after it are computed and budgeted. The cache manager may end a prefill chunk
+early, at a point where it plans to save window-head state and has no scratch ring slot
+for it (plan_chunk). When the full-head pool cannot grow a
 running request, the most recently admitted request is preempted: its KV is freed (its
 full blocks stay cached) and it is recomputed later from its tokens.
 """
@@ -88,7 +89,7 @@ class Scheduler:
             seq = self.running[i]
             start = seq.num_computed_tokens
             n = min(seq.num_tokens - start, budget)
-            n = self.cache.stop_point(seq.seq_id, start, start + n) - start
+            n = self.cache.plan_chunk(seq.seq_id, start, start + n) - start
             target = start + n
             while not self.cache.can_append(seq.seq_id, target):
                 victim = self.running[-1]  # most recently admitted
@@ -115,7 +116,7 @@ class Scheduler:
                 continue
             start = hit.num_tokens
             n = min(seq.num_tokens - start, budget)
-            n = hit.stop(start, start + n) - start
+            n = self.cache.plan_chunk(seq.seq_id, start, start + n, hit) - start
             if not self.cache.can_allocate(start + n, hit):
                 break
             del self.waiting[i]

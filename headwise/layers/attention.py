@@ -170,3 +170,10 @@ class HeadSplitAttention(nn.Module):
 
             wg.k_ring.put(at, *take(kst, kept))
             wg.v_ring.put(at, *take(vst, kept))
+            # The state at a snapshot point inside the chunk: its scratch slot holds the
+            # ring as of the chunk's start; add the chunk rows the ring holds at the point.
+            for slot, writes in ch.snapshots:
+                rows, index = writes[kind]
+                at = (slot, slice(None), index)
+                wg.k_ring.put(at, *take(kst, lambda t: t[s][rows].transpose(0, 1)))
+                wg.v_ring.put(at, *take(vst, lambda t: t[s][rows].transpose(0, 1)))

@@ -25,6 +25,10 @@ class PrefillChunk:
     ring_slot: int         # the sequence's slot in the window-head ring pool
     block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
     window: dict[WindowKind, WindowChunk] = field(default_factory=dict)
+    # Window state at snapshot points inside the chunk: per point, the scratch ring slot
+    # that holds the ring as of the chunk's start, and per (sink, window) the chunk rows
+    # [r] (relative to the chunk) that the ring holds at the point and their ring entries [r]
+    snapshots: list[tuple[int, dict[WindowKind, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
 
     @property
     def rows(self) -> slice:

@@ -88,12 +88,17 @@ class WindowChunk:
     ring_pos: torch.Tensor | None = None  # [R] position per ring entry before the chunk (Triton)
 
 
-def window_chunk(start: int, length: int, sink: int, window: int, g: int, dtype, device,
-                 for_kernels: bool, block: int = WINDOW_QUERY_BLOCK) -> WindowChunk:
+def ring_writes(start: int, length: int, sink: int, window: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows of a chunk of positions [start, start + length) that the ring still holds after
+    it (sinks and the last `window`), and their ring entries: both [r]."""
     cpos = torch.arange(start, start + length, device=device)
     rows = ((cpos < sink) | (cpos >= start + length - window)).nonzero().squeeze(1)
-    ch = WindowChunk(causal_rows(start, length, sink, window), rows,
-                     ring_index(cpos[rows], sink, window))
+    return rows, ring_index(cpos[rows], sink, window)
+
+
+def window_chunk(start: int, length: int, sink: int, window: int, g: int, dtype, device,
+                 for_kernels: bool, block: int = WINDOW_QUERY_BLOCK) -> WindowChunk:
+    ch = WindowChunk(causal_rows(start, length, sink, window), *ring_writes(start, length, sink, window, device))
     if for_kernels:
         ch.ring_pos = ring_positions(sink, window, start, device)
     else:
