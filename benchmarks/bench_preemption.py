@@ -1,18 +1,20 @@
 """Preemption under memory pressure, on the default model: does parking a preempted
 sequence's KV in the tier pay? Many long requests under a KV budget too small for all of
 them as they grow: the engine preempts the latest admitted, frees its KV (its full-head
-blocks stay cached, or go to the disk tier when evicted) and later resumes it from the
-longest cached prefix it finds, recomputing the rest. Counted: preemptions, prompt tokens
-computed again after a preemption (what parking its exact state would have saved), and
-the share of the run's wall time those recomputations took at the run's own prefill rate.
+blocks and window-state snapshots stay cached, or go to the disk tier when evicted) and
+later resumes it from the longest cached prefix it finds, recomputing the rest. Counted:
+preemptions, tokens computed again after a preemption (what parking its exact state
+would have saved), and the share of the run's wall time those recomputations took at the
+run's own prefill rate. Shipped layout without and with a disk tier, and `full`.
 
-    python benchmarks/bench_preemption.py [--requests 12] [--prompt-tokens 4096]
-        [--max-tokens 256] [--kv-gib 0.5] [--out bench/preemption.json]
+    python benchmarks/bench_preemption.py [--requests 16] [--prompt-tokens 4096]
+        [--max-tokens 256] [--kv-gib 0.4] [--max-num-seqs 16] [--out bench/preemption.json]
 """
 from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -20,12 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, prompt_ids, save  # noqa: E402
 from headwise import LLM, SamplingParams  # noqa: E402
-from headwise.layouts import shipped_layout  # noqa: E402
-from headwise.weights.loader import DEFAULT_MODEL_NAME  # noqa: E402
 
 
-def run(layout, args) -> dict:
-    llm = LLM(head_layout=layout, kv_cache_memory=int(args.kv_gib * (1 << 30)), max_num_seqs=64)
+def run(layout, args, offload_dir: str | None = None) -> dict:
+    llm = LLM(head_layout=layout, kv_cache_memory=int(args.kv_gib * (1 << 30)), max_num_seqs=args.max_num_seqs,
+              kv_offload_dir=offload_dir)
     eng = llm.engine
     tok = llm.tokenizer
     llm.generate(prompt_ids(tok, 256, 999), SamplingParams(max_tokens=2), use_tqdm=False)  # warm-up
@@ -71,13 +72,16 @@ def run(layout, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=12)
+    ap.add_argument("--requests", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=4096)
     ap.add_argument("--max-tokens", type=int, default=256)
-    ap.add_argument("--kv-gib", type=float, default=0.5)
+    ap.add_argument("--kv-gib", type=float, default=0.4)
+    ap.add_argument("--max-num-seqs", type=int, default=16)
     ap.add_argument("--out", default="bench/preemption.json")
     args = ap.parse_args()
-    rows = {"headwise": run(shipped_layout(DEFAULT_MODEL_NAME), args), "headwise-full": run("full", args)}
+    with tempfile.TemporaryDirectory() as d:  # layout None: the shipped one
+        rows = {"headwise": run(None, args), "headwise + disk tier": run(None, args, d),
+                "headwise-full": run("full", args)}
     head = ("| system | preemptions | tokens computed | recomputed after preemption | "
             "recompute s (upper bound) | share of wall time | wall s |\n|---|---|---|---|---|---|---|\n")
     table = head + "".join(

@@ -241,3 +241,37 @@ def test_scoring_a_prompt_offloads_what_it_evicts_before_overwriting_it(tiny_mod
     got = tiered.generate([a + q], GREEDY, use_tqdm=False)[0]
     assert got.num_cached_tokens >= 100 and cache.tier.stats.hit_tokens > 0  # ... to disk, and back:
     _same(got, plain.generate([a + q], GREEDY, use_tqdm=False)[0])
+
+
+def test_an_evicted_entry_not_yet_copied_out_is_waited_for(tmp_path):
+    """Between an eviction (in the scheduler) and the copy of its pages to the tier
+    (before the next step), a lookup of that prefix waits for it instead of finding its
+    chain broken and recomputing all of it."""
+    from headwise.cache.disk_tier import DiskTier
+    from headwise.cache.ops import PageOut
+
+    cache = KVCacheManager(HeadLayout.full((1, 1, 4)), 4, 4 * 2 * 4 * 4 * 4, 2, torch.float32,
+                           enable_prefix_caching=True)
+    assert cache.num_blocks == 4
+    tier = DiskTier(tmp_path, 1 << 20, "fp")
+    cache.attach_tier(tier)
+    a, b = list(range(10, 19)), list(range(50, 66))
+    cache.allocate(1, 9, cache.match_prefix(a))
+    cache.commit(1, lambda s, e: a[s:e], 9)
+    cache.free(1)  # a's two full blocks stay cached
+    cache.allocate(2, 16, cache.match_prefix(b))  # takes all four pages: a's are evicted
+    ops = cache.pop_ops()
+    assert [type(op) for op in ops] == [PageOut, PageOut]
+    hit = cache.match_prefix(a)  # before the engine has copied them out
+    assert hit.pending
+    for op in ops:  # the runner's copy (any bytes: the tier checks what it wrote)
+        tier.put(op.entry, torch.full((64,), op.pages[0], dtype=torch.uint8))
+    cache.ops_done(ops)
+    tier.flush()
+    for _ in range(200):
+        hit = cache.match_prefix(a)
+        if not hit.pending:
+            break
+        tier.wait_for_reads(0.05)
+    assert hit.num_tokens == 8 and len(hit.from_disk) == 2
+    tier.close()

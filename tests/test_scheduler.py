@@ -69,6 +69,27 @@ def test_preempts_most_recent_and_recomputes():
     assert out.scheduled == [(b, 9)]
 
 
+def test_admits_a_prompt_only_when_all_of_it_fits():
+    """A request whose first chunk would fit but not its whole prompt waits (FCFS: so do
+    those behind it): admitted, it would be preempted part way through its prefill and
+    compute it again, over and over, while the running one grows."""
+    cache = _cache(8)  # 8 blocks of 4 tokens
+    s = Scheduler(cache, max_num_seqs=4, max_num_batched_tokens=8)
+    a, b, c = _seq(12, max_tokens=6), _seq(24, max_tokens=1), _seq(4, max_tokens=1)
+    s.add(a)
+    _advance(s.schedule())  # a: 8 of its 12 prompt tokens
+    s.add(b), s.add(c)
+    out = s.schedule()  # a's last 4; b's first 4 would fit (1 block), all 24 (6) not beside a's 3
+    assert out.scheduled == [(a, 4)] and list(s.waiting) == [b, c]
+    while not a.is_finished:
+        _advance(out)
+        if len(a.output_token_ids) >= a.params.max_tokens:
+            s.finish(a)
+        out = s.schedule()
+        assert not out.preempted
+    assert [q for q, _ in out.scheduled] == [b] and s.num_preemptions == 0
+
+
 def test_request_that_can_never_fit_fails_clearly():
     s = Scheduler(_cache(2), max_num_seqs=4, max_num_batched_tokens=100)
     with pytest.raises(RequestTooLargeError, match="holds at most 8 tokens"):

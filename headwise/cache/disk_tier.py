@@ -84,6 +84,8 @@ class DiskTier:
         self._host: dict[tuple[str, int], tuple[TierEntry, torch.Tensor]] = {}  # read, awaiting use
         self._pending: set[tuple[str, int]] = set()
         self._writing: set[tuple[str, int]] = set()
+        # Evicted entries whose bytes the engine has still to copy out (put() follows)
+        self._queued: set[tuple[str, int]] = set()
         self._writes_on = self.dir is not None
         self._closed = False
         self._progress = threading.Event()  # set whenever a read finishes
@@ -125,7 +127,8 @@ class DiskTier:
     def has(self, kind: str, key: int) -> bool:
         item = (kind, key)
         with self._lock:
-            return not self._closed and (item in self._ram or item in self._index or item in self._writing)
+            return not self._closed and (item in self._ram or item in self._index or item in self._writing
+                                         or item in self._queued)
 
     def _forget(self, item: tuple[str, int]) -> None:
         size = self._index.pop(item, None)
@@ -149,11 +152,20 @@ class DiskTier:
                 self._forget((kind, key))
 
     # ---- writes -----------------------------------------------------------------------
+    def expect(self, kind: str, key: int) -> None:
+        """An entry was evicted and its put() follows once the engine has copied its pages
+        (before the next step): a prefix lookup meanwhile waits for it instead of finding
+        its chain broken."""
+        with self._lock:
+            if not self._closed and (self._writes_on or self.host_bytes):
+                self._queued.add((kind, key))
+
     def put(self, entry: TierEntry, data: torch.Tensor) -> None:
         """Keep an entry in the host tier and queue it for writing (data: its pages'
         bytes, uint8 on the CPU)."""
         item = (entry.kind, entry.key)
         with self._lock:
+            self._queued.discard(item)
             if self.host_bytes and item not in self._ram and data.numel() <= self.host_bytes:
                 self._ram[item] = (entry, data.pin_memory() if self.pin else data)
                 self.stats.host_entries += 1
@@ -235,9 +247,9 @@ class DiskTier:
             self._rq.put(i)
 
     def is_pending(self, kind: str, key: int) -> bool:
-        """Being read, or still being written (readable once written)."""
+        """Being read, or still to be copied out or written (readable once written)."""
         with self._lock:
-            return (kind, key) in self._pending or (kind, key) in self._writing
+            return (kind, key) in self._pending or (kind, key) in self._writing or (kind, key) in self._queued
 
     def release(self, kind: str, key: int) -> None:
         """The entry went back into the pool: drop its host copy, mark it recently used."""

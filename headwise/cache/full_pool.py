@@ -34,6 +34,10 @@ class FullHeadPool:
         idle = sum(self.blocks.is_free(b) for b in shared)
         return self.blocks_for(num_tokens) - len(shared) + idle + extra <= self.blocks.num_free
 
+    def to_grow(self, seq_id: int, num_tokens: int) -> int:
+        """Blocks a sequence still has to take to hold `num_tokens` tokens."""
+        return max(0, self.blocks_for(num_tokens) - len(self.tables.get(seq_id, ())))
+
     def allocate(self, seq_id: int, num_tokens: int, head: list[int] = ()) -> None:
         """head: the blocks its table starts with, already held for it by the caller
         (cached blocks it shares, blocks filled from the disk tier)."""

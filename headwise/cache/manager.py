@@ -294,6 +294,7 @@ class KVCacheManager:
         """An evicted entry: copy its pages out to the disk tier before they are reused."""
         if not self.tier.has(kind, key):
             self._ops.append(PageOut(TierEntry(kind, key, parent, tokens), pages))
+            self.tier.expect(kind, key)
 
     def offload_all(self) -> None:
         """Queue copies of every cached block and anchor snapshot to the disk tier (at
@@ -314,9 +315,13 @@ class KVCacheManager:
         return self.index.clear()
 
     # ---- admission and growth (both pools) ----------------------------------------
-    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None) -> bool:
-        """Room for a new sequence holding `num_tokens` tokens after its first step
-        (its cached prefix included)."""
+    def pages_to_grow(self, seq_id: int, num_tokens: int) -> int:
+        """Pages a running sequence still has to take to hold `num_tokens` tokens."""
+        return self.full.to_grow(seq_id, num_tokens)
+
+    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None, reserved: int = 0) -> bool:
+        """Room for a new sequence holding `num_tokens` tokens (its cached prefix
+        included), beside `reserved` pages that running sequences are still to take."""
         if not self.ring.can_allocate(num_tokens):
             return False
         hit = hit or PrefixHit()
@@ -325,7 +330,7 @@ class KVCacheManager:
             extra = sum(self.full.blocks.is_free(b) for b in snap.pages)
         else:  # read from disk into new pages, or no window state to load
             extra = self.snapshot_pages if hit.snapshot is not None else 0
-        return self.full.can_allocate(num_tokens, hit.blocks, extra)
+        return self.full.can_allocate(num_tokens, hit.blocks, extra + reserved)
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()

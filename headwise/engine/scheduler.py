@@ -104,7 +104,12 @@ class Scheduler:
             budget -= n
             i += 1
         # Admit waiting requests in arrival order; none while we are preempting. One whose
-        # cached prefix is still being read from disk is passed over until it is in.
+        # cached prefix is still being read from disk is passed over until it is in. A
+        # request is admitted only when its whole prompt fits beside what the running
+        # ones still need to finish theirs: admitted on its first chunk alone, it would be
+        # preempted part way through its prefill, and its next admission would redo it
+        # (window heads resume only from a saved snapshot), over and over.
+        reserved = sum(self.cache.pages_to_grow(s.seq_id, s.num_tokens) for s in self.running)
         i = 0
         while (i < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
@@ -117,10 +122,11 @@ class Scheduler:
             start = hit.num_tokens
             n = min(seq.num_tokens - start, budget)
             n = self.cache.plan_chunk(seq.seq_id, start, start + n, hit) - start
-            if not self.cache.can_allocate(start + n, hit):
+            if not self.cache.can_allocate(seq.num_tokens, hit, reserved):
                 break
             del self.waiting[i]
             self.cache.allocate(seq.seq_id, start + n, hit)
+            reserved += self.cache.pages_to_grow(seq.seq_id, seq.num_tokens)
             seq.num_computed_tokens = start
             if seq.num_cached_tokens is None:  # what the client is told: its first admission
                 seq.num_cached_tokens = start
