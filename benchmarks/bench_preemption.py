@@ -33,21 +33,23 @@ def run(layout, args, offload_dir: str | None = None) -> dict:
     llm.reset_prefix_cache()
     prompts = [prompt_ids(tok, args.prompt_tokens, i) for i in range(args.requests)]
     counts = {"tokens": 0, "prefill_tokens": 0, "prefill_s": 0.0, "recomputed": 0}
-    high = {}  # seq_id -> tokens it had computed when last preempted
+    done: dict[int, int] = {}  # seq_id -> tokens computed once its scheduled chunk has run
+    high: dict[int, int] = {}  # seq_id -> tokens it had computed when last preempted
+    last = {"prefill": False}  # whether the latest step carried a prefill chunk
     schedule = eng.scheduler.schedule
 
     def counted():  # the scheduler's output, counted; the engine runs it as usual
         out = schedule()
         for seq in out.preempted:
-            high[seq.seq_id] = max(high.get(seq.seq_id, 0), counts.get(("done", seq.seq_id), 0))
+            high[seq.seq_id] = max(high.get(seq.seq_id, 0), done.get(seq.seq_id, 0))
         for seq, n in out.scheduled:
             start = seq.num_computed_tokens
-            counts[("done", seq.seq_id)] = start + n
+            done[seq.seq_id] = start + n
             if seq.seq_id in high:  # tokens it had computed before: computed again
                 counts["recomputed"] += max(0, min(start + n, high[seq.seq_id]) - start)
             counts["tokens"] += n
             counts["prefill_tokens"] += n if n > 1 else 0
-        counts["last_prefill"] = any(n > 1 for _, n in out.scheduled)
+        last["prefill"] = any(n > 1 for _, n in out.scheduled)
         return out
 
     eng.scheduler.schedule = counted
@@ -57,9 +59,10 @@ def run(layout, args, offload_dir: str | None = None) -> dict:
     while eng.has_unfinished():
         t = time.perf_counter()
         eng.step()
-        if counts["last_prefill"]:
+        if last["prefill"]:
             counts["prefill_s"] += time.perf_counter() - t
     wall = time.perf_counter() - t0
+    llm.close()
     rate = counts["prefill_tokens"] / counts["prefill_s"] if counts["prefill_s"] else 0.0
     rec = {"preemptions": sum(s.num_preemptions for s in seqs), "wall_s": wall,
            "tokens_computed": counts["tokens"], "recomputed_tokens": counts["recomputed"],

@@ -299,7 +299,7 @@ def test_snapshot_points_inside_a_chunk_do_not_cut_it(tiny_models, kind, kv_dtyp
     while eng.has_unfinished():
         eng.step()
         steps.append(seq.num_computed_tokens)
-    assert steps[0] == min(budget, 200) and steps[-1] == 200
+    assert steps == ([200] if budget >= 200 else [128, 200])  # one step per budget's worth
     hashes = eng.cache.match_prefix(doc + [7]).hashes
     assert {hashes[68 // 4 - 1], hashes[196 // 4 - 1]} <= set(eng.cache.index.snapshots)
     assert eng.cache.ring.num_free == eng.cache.ring.num_slots and not eng.cache.ring.lent
