@@ -114,3 +114,35 @@ def test_reallocated_blocks_form_one_run():
     m.free(1)
     m.allocate(2, 32)
     assert m.full.tables[2] == list(range(8)) and m.slot_runs(2, 32) == [(0, 32)]
+
+
+@pytest.mark.parametrize("kind,kv_dtype", [("mixed", "auto"), ("mixed", "int8"), ("window", "auto")])
+def test_pages_and_ring_snapshots_round_trip_over_scattered_pages(kind, kv_dtype):
+    """Pool pages written and read back byte for byte, in runs of consecutive ids or not
+    (values and int8 scales; plain pages of a window-only layout); a ring slot saved into
+    pages and loaded into another slot is the same ring; pages not named stay as they were."""
+    heads = ([[HeadSpec("full"), HeadSpec("window", 2, 4)], [HeadSpec("window", 2, 4), HeadSpec("full")]]
+             if kind == "mixed" else [[HeadSpec("window", 2, 4)] * 2] * 2)
+    layout = HeadLayout(kind, 2, 2, 8, heads)
+    m = KVCacheManager(layout, 4, 1 << 16, 3, F32, enable_prefix_caching=True, kv_cache_dtype=kv_dtype)
+    kv = KVStorage(m.geometry, m.num_blocks, m.num_ring_slots, page_bytes=m.page_bytes, compute_dtype=F32)
+    g = torch.Generator().manual_seed(0)
+    for t in (kv.full_kv, kv.full_k_scale, kv.full_v_scale, kv.rings, kv.ring_scales, kv.pages):
+        if t is not None and t.numel():
+            t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
+                                                             generator=g, dtype=torch.uint8))
+    before = [v.clone() for v in kv._page_views()]
+    per = sum(v.shape[0] * v.shape[2] for v in before)  # bytes of one page
+    pages = [1, 2, 3, 7, 5] if m.num_blocks > 7 else [0, 2]
+    data = torch.randint(0, 256, (len(pages) * per - 3,), generator=g, dtype=torch.uint8)
+    kv.write_pages(pages, data)
+    back = kv.read_pages(pages)
+    assert torch.equal(back[:data.numel()], data) and not back[data.numel():].any()
+    for v, old in zip(kv._page_views(), before):  # only the named pages changed
+        rest = [b for b in range(v.shape[1]) if b not in pages]
+        assert torch.equal(v[:, rest], old[:, rest])
+    ring = kv.read_ring(0)
+    snap = pages[: m.snapshot_pages] if len(pages) >= m.snapshot_pages else list(range(m.snapshot_pages))
+    kv.write_pages(snap, ring)
+    kv.write_ring(2, kv.read_pages(snap))
+    assert torch.equal(kv.read_ring(2), ring) and not torch.equal(kv.read_ring(1), ring)
