@@ -347,3 +347,36 @@ def test_plan_chunk_lends_scratch_slots_or_cuts():
     assert cache.plan_chunk(3, 0, 200, hit) == 68
     cache.free(2)
     cache.full.blocks.check()
+
+
+def test_a_prompt_that_fits_only_without_its_hit_snapshot_is_still_admitted():
+    """A prompt whose blocks fill the pool but for the pages of the window state it would
+    load: alone, it is admitted (its first chunk is checked, not the whole prompt), loads
+    the state, and grows into those pages; it is not left waiting forever."""
+    layout = mixed((2, 2, 4))
+    probe = KVCacheManager(layout, 4, 1 << 20, 1, torch.float32, enable_prefix_caching=True)
+    budget = probe.geometry.ring_bytes + 40 * probe.geometry.block_bytes
+    cache = KVCacheManager(layout, 4, budget, 1, torch.float32, enable_prefix_caching=True)
+    assert cache.num_blocks == 40 and 1 < cache.snapshot_pages < 40
+    sched = Scheduler(cache, max_num_seqs=1, max_num_batched_tokens=16)
+    doc = list(range(100, 100 + 4 * (40 - cache.snapshot_pages)))
+    first = Sequence(doc, SamplingParams(max_tokens=1, ignore_eos=True))
+    second = Sequence(doc + list(range(7, 7 + 4 * cache.snapshot_pages - 8)), SamplingParams(max_tokens=1))
+    assert -(-second.max_total_tokens // 4) <= 40  # it fits the pool, without a snapshot beside it
+    for seq in (first, second):
+        sched.add(seq)
+        for _ in range(200):
+            out = sched.schedule()
+            cache.ops_done(cache.pop_ops())
+            for s, n in out.scheduled:
+                s.num_computed_tokens += n
+                cache.commit(s.seq_id, s.token_ids, s.num_computed_tokens)
+                if s.num_computed_tokens == s.num_tokens:
+                    s.output_token_ids.append(1)
+                    sched.finish(s)
+            cache.ops_done(cache.pop_ops())
+            if seq.is_finished:
+                break
+        assert seq.is_finished
+    assert second.num_cached_tokens > 0  # it did start from the first one's saved state
+    _check_books(cache, [])
