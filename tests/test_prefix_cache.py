@@ -164,6 +164,19 @@ def test_preemption_resumes_from_its_own_cached_blocks(tiny_models, kind):
 
 
 # ---- books, without a model ------------------------------------------------------------
+def _step_to_prompt_end(sched, cache) -> None:
+    """One engine step without a model: schedule, run the cache's copies, commit what was
+    computed; a sequence whose tokens are all computed finishes there."""
+    out = sched.schedule()
+    cache.ops_done(cache.pop_ops())
+    for seq, n in out.scheduled:
+        seq.num_computed_tokens += n
+        cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
+        if seq.num_computed_tokens == seq.num_tokens:
+            sched.finish(seq)
+    cache.ops_done(cache.pop_ops())
+
+
 def _check_books(cache, running):
     """Every block is free (possibly cached) or held exactly by the sequences using it."""
     pool = cache.full.blocks
@@ -221,14 +234,7 @@ def test_random_requests_keep_exact_books(kind):
         evictions_seen |= len(cache.index.blocks) < before
         _check_books(cache, sched.running)
     while sched.has_unfinished():
-        out = sched.schedule()
-        cache.ops_done(cache.pop_ops())
-        for seq, n in out.scheduled:
-            seq.num_computed_tokens += n
-            cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
-            if seq.num_computed_tokens == seq.num_tokens:
-                sched.finish(seq)
-        cache.ops_done(cache.pop_ops())
+        _step_to_prompt_end(sched, cache)
     _check_books(cache, [])
     assert cache.full.blocks.num_free == cache.full.blocks.num_blocks  # nothing held by anyone
     assert cache.index.stats.hits > 0
@@ -366,15 +372,7 @@ def test_a_prompt_that_fits_only_without_its_hit_snapshot_is_still_admitted():
     for seq in (first, second):
         sched.add(seq)
         for _ in range(200):
-            out = sched.schedule()
-            cache.ops_done(cache.pop_ops())
-            for s, n in out.scheduled:
-                s.num_computed_tokens += n
-                cache.commit(s.seq_id, s.token_ids, s.num_computed_tokens)
-                if s.num_computed_tokens == s.num_tokens:
-                    s.output_token_ids.append(1)
-                    sched.finish(s)
-            cache.ops_done(cache.pop_ops())
+            _step_to_prompt_end(sched, cache)
             if seq.is_finished:
                 break
         assert seq.is_finished
