@@ -357,8 +357,8 @@ def test_plan_chunk_lends_scratch_slots_or_cuts():
 
 def test_a_prompt_that_fits_only_without_its_hit_snapshot_is_still_admitted():
     """A prompt whose blocks fill the pool but for the pages of the window state it would
-    load: alone, it is admitted (its first chunk is checked, not the whole prompt), loads
-    the state, and grows into those pages; it is not left waiting forever."""
+    load: it is admitted (those pages count for its first step only), loads the state,
+    and grows into them; it is not left waiting forever."""
     layout = mixed((2, 2, 4))
     probe = KVCacheManager(layout, 4, 1 << 20, 1, torch.float32, enable_prefix_caching=True)
     budget = probe.geometry.ring_bytes + 40 * probe.geometry.block_bytes

@@ -191,7 +191,7 @@ class KVCacheManager:
         hit = hit or (books.hit if books else None)
         if hit is None:
             return end
-        inside = [p for p in hit.points if start < p < end]
+        inside = hit.points_inside(start, end)
         spare = max(0, self.ring.num_free - (books is None))  # an admitted one takes a slot first
         return inside[spare] if len(inside) > spare else end
 
@@ -205,8 +205,8 @@ class KVCacheManager:
         """Lend scratch ring slots to the points inside the chunk [books.computed, end),
         holding the ring's state at the chunk's start (planned by plan_chunk)."""
         start = books.computed
-        for p in books.hit.points:
-            if start < p < end and self.ring.num_free:
+        for p in books.hit.points_inside(start, end):
+            if self.ring.num_free:
                 slot = self.ring.lend()
                 if start:  # (before the first token the ring holds nothing to keep)
                     self._ops.append(RingClone(self.ring.slot(seq_id), slot))
@@ -319,9 +319,12 @@ class KVCacheManager:
         """Pages a running sequence still has to take to hold `num_tokens` tokens."""
         return self.full.to_grow(seq_id, num_tokens)
 
-    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None, reserved: int = 0) -> bool:
-        """Room for a new sequence holding `num_tokens` tokens (its cached prefix
-        included), beside `reserved` pages that running sequences are still to take."""
+    def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None, reserved: int = 0,
+                     num_prompt: int = 0) -> bool:
+        """Room for a new sequence holding `num_tokens` tokens after its first step (its
+        cached prefix included), and for it to grow to `num_prompt` tokens beside
+        `reserved` pages that running sequences are still to take. The pages of a window
+        state it loads count for the first step only: they are free again once loaded."""
         if not self.ring.can_allocate(num_tokens):
             return False
         hit = hit or PrefixHit()
@@ -330,7 +333,8 @@ class KVCacheManager:
             extra = sum(self.full.blocks.is_free(b) for b in snap.pages)
         else:  # read from disk into new pages, or no window state to load
             extra = self.snapshot_pages if hit.snapshot is not None else 0
-        return self.full.can_allocate(num_tokens, hit.blocks, extra + reserved)
+        return (self.full.can_allocate(num_tokens, hit.blocks, extra)
+                and self.full.can_allocate(max(num_tokens, num_prompt), hit.blocks, reserved))
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()

@@ -52,3 +52,7 @@ class PrefixHit:
     # From the disk tier, read and verified: blocks after `blocks`, then maybe the snapshot.
     from_disk: list[tuple[TierEntry, object]] = field(default_factory=list)
     pending: bool = False   # its prefix is being read from disk: admit it on a later step
+
+    def points_inside(self, start: int, end: int) -> list[int]:
+        """Planned snapshot points strictly inside the prefill chunk [start, end)."""
+        return [p for p in self.points if start < p < end]

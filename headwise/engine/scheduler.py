@@ -122,10 +122,7 @@ class Scheduler:
             start = hit.num_tokens
             n = min(seq.num_tokens - start, budget)
             n = self.cache.plan_chunk(seq.seq_id, start, start + n, hit) - start
-            # Alone it can always go on: it grows into the pages it frees (a loaded
-            # snapshot's), and nothing else can need them.
-            need = seq.num_tokens if self.running else start + n
-            if not self.cache.can_allocate(need, hit, reserved):
+            if not self.cache.can_allocate(start + n, hit, reserved, seq.num_tokens):
                 break
             del self.waiting[i]
             self.cache.allocate(seq.seq_id, start + n, hit)
