@@ -14,10 +14,12 @@ import torch.nn.functional as F
 from headwise import LLM, SamplingParams
 from headwise.cache.layout import HeadLayout
 from headwise.cache.spec import KVClassSpec
-from headwise.kernels import cpu_kernels
+from headwise.kernels import cpu_kernels, pointwise
 from headwise.layers.kv_tensor import dequantize, quantize
+from headwise.layers.norm import RMSNorm
 from headwise.layers import torch_attention
 from tests.test_decode_capture import PROMPTS, _mixed
+from tests import test_pointwise
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 
@@ -194,16 +196,25 @@ def test_float16_caches_keep_the_general_path(compiled, tiny_models, monkeypatch
 def fresh_build(tmp_path, monkeypatch):
     """library() rebuilt under a temporary cache directory, and forgotten afterwards."""
     monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path / "cache"))
-    cpu_kernels.library.cache_clear()
+    _forget_libraries()
     yield tmp_path
-    cpu_kernels.library.cache_clear()
+    _forget_libraries()
+
+
+def _forget_libraries() -> None:
+    for f in (cpu_kernels._load, cpu_kernels.library, cpu_kernels.pointwise_library):
+        f.cache_clear()
 
 
 def test_a_failing_compiler_means_pytorch_attention(fresh_build, monkeypatch, caplog):
     monkeypatch.setenv("CC", shutil.which("false") or "false")
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is None
-    assert [r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]
+        assert cpu_kernels.pointwise_library() is None
+    assert len([r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]) == 2
+    x = torch.randn(8, 64)
+    assert pointwise.rms_norm(x, torch.ones(64), 1e-6) is None  # the layers keep PyTorch's code
+    assert torch.equal(RMSNorm(64, 1e-6)(x), F.rms_norm(x, (64,), torch.ones(64), 1e-6))
     spec = KVClassSpec.resolve("full", "auto", torch.float32, 64)
     assert not torch_attention.decode_kernel(torch.device("cpu"), spec, torch.float32)
     assert not list((fresh_build / "cache").rglob("*.tmp"))  # no half-written library left
@@ -218,8 +229,11 @@ def test_without_openmp_the_kernel_runs_on_one_thread(compiled, fresh_build, mon
     monkeypatch.setenv("CC", str(wrapper))
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is not None
+        assert cpu_kernels.pointwise_library() is not None
     assert any("without OpenMP" in r.getMessage() for r in caplog.records)
     test_paged_blocks_match_sdpa(None, torch.float32, "int8", 3, 3, 64)
+    test_pointwise.test_rotary_is_pytorch_bit_for_bit(torch.bfloat16, True)
+    test_pointwise.test_rms_norm_matches_pytorch(torch.bfloat16, 1e-2)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 flag")

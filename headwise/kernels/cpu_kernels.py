@@ -1,11 +1,12 @@
 """headwise's C kernels for the CPU, compiled on the machine that runs them.
 
-cpu_decode.c (decode attention over paged blocks or rings, see there) is compiled once per
-source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3 -march=native
--fopenmp, and without OpenMP where the compiler lacks it: one thread) into the cache
-directory, and called through ctypes, which releases the GIL. The library links the
-OpenMP runtime PyTorch has already loaded (same soname), so both share one thread pool.
-Where no compiler works the backend keeps its PyTorch code, after one log line.
+cpu_decode.c (decode attention over paged blocks or rings, see there) and cpu_pointwise.c
+(RMSNorm and the rotary embedding, used by headwise.kernels.pointwise) are each compiled
+once per source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3
+-march=native -fopenmp, and without OpenMP where the compiler lacks it: one thread) into
+the cache directory, and called through ctypes, which releases the GIL. A library links
+the OpenMP runtime PyTorch has already loaded (same soname), so both share one thread
+pool. Where no compiler works the callers keep their PyTorch code, after one log line.
 HEADWISE_CPU_KERNELS=0 turns the kernels off.
 """
 from __future__ import annotations
@@ -26,7 +27,7 @@ from headwise.weights.registry import cache_dir
 
 log = logging.getLogger("headwise.kernels")
 
-SOURCE = Path(__file__).with_name("cpu_decode.c")
+HERE = Path(__file__).parent
 BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 # AVX-512 machines: GCC otherwise prefers 256-bit vectors
 X86_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
@@ -60,13 +61,13 @@ def _compiler() -> str:
     return cc
 
 
-def _build(cc: str, flags: list[str], out: Path) -> None:
-    """Compile SOURCE into `out`, atomically (another process building the same key
+def _build(cc: str, source: Path, flags: list[str], out: Path) -> None:
+    """Compile `source` into `out`, atomically (another process building the same key
     writes the same file)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
     try:
-        subprocess.run([cc, *flags, str(SOURCE), "-o", str(tmp), "-lm"], check=True,
+        subprocess.run([cc, *flags, str(source), "-o", str(tmp), "-lm"], check=True,
                        capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     except subprocess.CalledProcessError as e:
@@ -78,35 +79,59 @@ def _build(cc: str, flags: list[str], out: Path) -> None:
 
 
 @functools.cache
-def library() -> ctypes.CDLL | None:
-    """The compiled kernels, or None (turned off, no working compiler)."""
+def _load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """The compiled HERE/`name`.c (flags FLAG_SETS + extra), or None (turned off, no
+    working compiler)."""
     if os.environ.get("HEADWISE_CPU_KERNELS", "1") == "0":
         return None
+    source = HERE / f"{name}.c"
     try:
         cc = _compiler()
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.SubprocessError) as e:
-        log.warning("CPU decode kernel unavailable, using PyTorch's attention: %s", e)
+        log.warning("CPU kernels (%s) unavailable, using PyTorch's code: %s", name, e)
         return None
     error = None
     for flags in FLAG_SETS:
-        key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version,
+        flags = flags + list(extra)
+        key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version,
                                         _cpu_id()]).encode()).hexdigest()[:16]
-        path = cache_dir() / "kernels" / f"cpu_decode-{key}.so"
+        path = cache_dir() / "kernels" / f"{name}-{key}.so"
         try:
             if not path.is_file():
-                _build(cc, flags, path)
+                _build(cc, source, flags, path)
             lib = ctypes.CDLL(str(path))
         except (OSError, subprocess.SubprocessError) as e:
             error = error or e
             continue
         if "-fopenmp" not in flags:
-            log.warning("CPU decode kernel built without OpenMP (one thread): %s", error)
+            log.warning("CPU kernels (%s) built without OpenMP (one thread): %s", name, error)
+        return lib
+    log.warning("CPU kernels (%s) unavailable, using PyTorch's code: %s", name, error)
+    return None
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The decode attention kernel (cpu_decode.c), or None."""
+    lib = _load("cpu_decode")
+    if lib is not None:
         lib.paged_decode.argtypes = _SIGNATURE
         lib.paged_decode.restype = ctypes.c_int
-        return lib
-    log.warning("CPU decode kernel unavailable, using PyTorch's attention: %s", error)
-    return None
+    return lib
+
+
+@functools.cache
+def pointwise_library() -> ctypes.CDLL | None:
+    """RMSNorm and rotary (cpu_pointwise.c), or None. Without FMA contraction: see there."""
+    lib = _load("cpu_pointwise", ("-ffp-contract=off",))
+    if lib is not None:
+        lib.rms_norm.argtypes = [_ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int,
+                                 _i64, _i64, ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
+                               ctypes.c_int, ctypes.c_int]
+        lib.rms_norm.restype = lib.rotary.restype = None
+    return lib
 
 
 def takes(compute: torch.dtype, values: torch.dtype, scales: torch.dtype | None, head_dim: int) -> bool:

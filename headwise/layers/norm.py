@@ -2,6 +2,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headwise.kernels import pointwise
+
 
 class RMSNorm(nn.Module):
     """x / rms(x) * weight. `upcast` (Gemma): computed in float32 and the weight kept in
@@ -14,6 +16,21 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        done = pointwise.rms_norm(x, self.weight, self.eps)  # the C kernel, where it applies
+        if done is not None:
+            return done[1]
+        return self._torch(x)
+
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + y, its norm): a residual add and the norm after it, in one pass where the
+        C kernel applies."""
+        done = pointwise.rms_norm(x, self.weight, self.eps, residual=y)
+        if done is not None:
+            return done
+        s = x + y
+        return s, self._torch(s)
+
+    def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast:
             return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).to(x.dtype)
         # PyTorch's fused kernel accumulates in float32 for 16-bit inputs, as the reference

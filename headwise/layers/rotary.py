@@ -7,6 +7,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from headwise.kernels import pointwise
+
 
 def _inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -60,6 +62,10 @@ class RotaryEmbedding(nn.Module):
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # x [T, H, D], cos and sin [T, 1, D/2] float32; computed in float32, rounded once
+    done = pointwise.rotate(x, cos, sin)  # the C kernel, where it applies
+    if done is not None:
+        return done
     x1, x2 = x.float().chunk(2, dim=-1)
     out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
     return out.to(x.dtype)
