@@ -341,12 +341,12 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     sv = torch.cat([v_ring.load(sinks), v[: ns - n_ring].transpose(0, 1)], 1)
     qs = (q if q_sink is None else q_sink)[q0 + r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
     o2, l2 = attend(qs, sk[:, None], sv[:, None], sink_bias, scale)
-    o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3).reshape(cq, n * g, D)
-    l2 = l2.view(n, g, cq).permute(2, 0, 1).reshape(cq, n * g)
-    l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n * g)[r0:c2]
-    # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1)
+    o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3)  # [cq, n, g, D] (a view)
+    l2 = l2.view(n, g, cq).permute(2, 0, 1)
+    l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n, g)[r0:c2]
+    # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1), in one pass
     w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]
-    band[r0:] += w * (o2 - band[r0:])
+    band[r0:].view(cq, n, g, D).lerp_(o2, w)
     return out
 
 
