@@ -88,6 +88,8 @@ def test_where_the_kernel_does_not_apply_the_layers_use_pytorch():
     norm = RMSNorm(8, 1e-6).to(torch.float16)
     assert pointwise.rms_norm(x, norm.weight, 1e-6) is None
     torch.testing.assert_close(norm(x), F.rms_norm(x, (8,), norm.weight, 1e-6))
+    xb = torch.randn(4, 8, dtype=torch.bfloat16)  # a float32 weight on bfloat16 values: PyTorch's promotion
+    torch.testing.assert_close(RMSNorm(8, 1e-6)(xb), F.rms_norm(xb, (8,), torch.ones(8), 1e-6), rtol=0, atol=0)
     xt = torch.randn(4, 8, 3).transpose(1, 2)  # [4, 3, 8]: the norm's dim is not unit stride
     assert pointwise.rms_norm(xt, torch.ones(8), 1e-6) is None
     s, h = RMSNorm(8, 1e-6).add(xt, xt)

@@ -16,7 +16,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        done = pointwise.rms_norm(x, self.weight, self.eps)  # the C kernel, where it applies
+        done = self._kernel(x)
         if done is not None:
             return done[1]
         return self._torch(x)
@@ -24,11 +24,18 @@ class RMSNorm(nn.Module):
     def add(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + y, its norm): a residual add and the norm after it, in one pass where the
         C kernel applies."""
-        done = pointwise.rms_norm(x, self.weight, self.eps, residual=y)
+        done = self._kernel(x, y)
         if done is not None:
             return done
         s = x + y
         return s, self._torch(s)
+
+    def _kernel(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        # The C kernel rounds to x's dtype: what the PyTorch code returns when the weight
+        # is in x's dtype or the norm is upcast (a float32 weight on 16-bit values).
+        if not (self.upcast or self.weight.dtype == x.dtype):
+            return None
+        return pointwise.rms_norm(x, self.weight, self.eps, residual)
 
     def _torch(self, x: torch.Tensor) -> torch.Tensor:
         if self.upcast:
