@@ -317,32 +317,45 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     sn, st, sd = kp.stride()
     kb = kp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))  # [n, nb, S, D] overlapping
     vb = vp.as_strided((n, nb, S, D), (sn, Bq * st, st, sd))
-    # GQA without copying keys: a block's g query heads of one KV head are its rows.
-    qb = F.pad(q[q0:], (0, 0, 0, 0, 0, nb * Bq - c2)).view(nb, Bq, n, g, D)
-    qb = qb.permute(2, 0, 3, 1, 4).reshape(n, nb, g * Bq, D)
+    # GQA without copying keys: a block's g query heads of one KV head are its rows,
+    # qb [n, nb, g, Bq, D], filled in one pass through a [nb, Bq, n, g, D] view (the
+    # last block's rows past the chunk zero).
+    nf, tail = divmod(c2, Bq)  # full blocks, rows of the last one
+    qb = q.new_empty(n, nb, g, Bq, D)
+    rows = qb.permute(1, 3, 0, 2, 4)  # [nb, Bq, n, g, D]: row i of block b is query b * Bq + i
+    rows[:nf].copy_(q[q0:q0 + nf * Bq].view(nf, Bq, n, g, D))
+    if tail:
+        rows[nf, :tail].copy_(q[q0 + nf * Bq:].view(tail, n, g, D))
+        rows[nf, tail:].zero_()
+    qb = qb.view(n, nb, g * Bq, D)
     nh = masks.head.shape[1]  # blocks reaching before position 0 (their padding masked)
-    o = q.new_empty(n, nb, g * Bq, D)
-    lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
-    if nh:
+    if nh == 0:  # every block alike (no copy of the output)
+        o, lse = attend(qb, kb, vb, masks.band, scale)
+    else:
+        o = q.new_empty(n, nb, g * Bq, D)
+        lse = torch.empty(n, nb, g * Bq, dtype=torch.float32, device=q.device)
         o[:, :nh], lse[:, :nh] = attend(qb[:, :nh], kb[:, :nh], vb[:, :nh], masks.head, scale)
-    if nh < nb:
-        o[:, nh:], lse[:, nh:] = attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], masks.band, scale)
+        if nh < nb:
+            o[:, nh:], lse[:, nh:] = attend(qb[:, nh:], kb[:, nh:], vb[:, nh:], masks.band, scale)
     band = out[q0:]
-    band.copy_(o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4).reshape(nb * Bq, n * g, D)[:c2])
+    rows = o.view(n, nb, g, Bq, D).permute(1, 3, 0, 2, 4)  # as qb's
+    band[:nf * Bq].view(nf, Bq, n, g, D).copy_(rows[:nf])
+    if tail:
+        band[nf * Bq:].view(tail, n, g, D).copy_(rows[nf, :tail])
     sink_bias = masks.sinks
     if sink_bias is None:  # no band row sees a sink outside its band
         return out
-    ns = sink_bias.shape[-1]
-    cq = sink_bias.shape[-2] // g
+    ns, cq = sink_bias.shape[-1], sink_bias.shape[-2]
     r0 = c2 - cq  # first band row with p - W >= 0: it sees sink 0 outside its band
     n_ring = min(ns, start)  # sinks before the chunk are in the ring, the rest in k
     sinks = (slice(None), slice(0, n_ring))
     sk = torch.cat([k_ring.load(sinks), k[: ns - n_ring].transpose(0, 1)], 1)  # [n, ns, D]
     sv = torch.cat([v_ring.load(sinks), v[: ns - n_ring].transpose(0, 1)], 1)
-    qs = (q if q_sink is None else q_sink)[q0 + r0:].view(cq, n, g, D).permute(1, 2, 0, 3).reshape(n, 1, g * cq, D)
-    o2, l2 = attend(qs, sk[:, None], sv[:, None], sink_bias, scale)
-    o2 = o2.view(n, g, cq, D).permute(2, 0, 1, 3)  # [cq, n, g, D] (a view)
-    l2 = l2.view(n, g, cq).permute(2, 0, 1)
+    # Every query head against the few sink keys (repeated per head: ns rows each).
+    qs = (q if q_sink is None else q_sink)[q0 + r0:].transpose(0, 1)[None]  # [1, n*g, cq, D] view
+    o2, l2 = attend(qs, sk.repeat_interleave(g, 0)[None], sv.repeat_interleave(g, 0)[None], sink_bias, scale)
+    o2 = o2[0].view(n, g, cq, D).permute(2, 0, 1, 3)  # [cq, n, g, D] (a view)
+    l2 = l2[0].view(n, g, cq).permute(2, 0, 1)
     l1 = lse.view(n, nb, g, Bq).permute(1, 3, 0, 2).reshape(nb * Bq, n, g)[r0:c2]
     # softmax over the union = o1 + sigmoid(lse2 - lse1) * (o2 - o1), in one pass
     w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]

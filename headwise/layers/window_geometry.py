@@ -47,14 +47,14 @@ class BandMasks(NamedTuple):
     num_blocks: int             # nb
     head: torch.Tensor          # [1, nh, g*Bq, S]: blocks reaching before position 0
     band: torch.Tensor          # [1, 1, g*Bq, S]: every other block
-    sinks: torch.Tensor | None  # [1, 1, g*cq, ns], None if no row sees a sink outside its band
+    sinks: torch.Tensor | None  # [1, 1, cq, ns], None if no row sees a sink outside its band
 
 
 def band_masks(start: int, length: int, sink: int, W: int, g: int, dtype, device,
                block: int = WINDOW_QUERY_BLOCK) -> BandMasks | None:
     """The block geometry and additive masks of a chunk's band rows (see the torch
-    backend's window_prefill); None when every row is in the causal prefix. Mask rows are
-    (query head, query) pairs of one KV head."""
+    backend's window_prefill); None when every row is in the causal prefix. Band mask rows are
+    (query head, query) pairs of one KV head; sink mask rows are queries."""
     q0 = causal_rows(start, length, sink, W)
     c, start = length - q0, start + q0
     if c == 0:
@@ -72,7 +72,7 @@ def band_masks(start: int, length: int, sink: int, W: int, g: int, dtype, device
     sinks = None
     if r0 < c and ns > 0:
         qpos = torch.arange(start + r0, start + c, device=device)
-        sm = (torch.arange(ns, device=device)[None, :] <= (qpos - W)[:, None]).repeat(g, 1)
+        sm = torch.arange(ns, device=device)[None, :] <= (qpos - W)[:, None]  # [cq, ns], every query head alike
         sinks = bias(sm[None, None], dtype)
     return BandMasks(Bq, nb, bias(head[None], dtype), bias(band[None, None], dtype), sinks)
 
