@@ -35,10 +35,11 @@ def run(layout, args, offload_dir: str | None = None) -> dict:
     counts = {"tokens": 0, "prefill_tokens": 0, "prefill_s": 0.0, "recomputed": 0}
     done: dict[int, int] = {}  # seq_id -> tokens computed once its scheduled chunk has run
     high: dict[int, int] = {}  # seq_id -> tokens it had computed when last preempted
-    last = {"prefill": False}  # whether the latest step carried a prefill chunk
+    last_prefill = False  # whether the latest step carried a prefill chunk
     schedule = eng.scheduler.schedule
 
     def counted():  # the scheduler's output, counted; the engine runs it as usual
+        nonlocal last_prefill
         out = schedule()
         for seq in out.preempted:
             high[seq.seq_id] = max(high.get(seq.seq_id, 0), done.get(seq.seq_id, 0))
@@ -49,7 +50,7 @@ def run(layout, args, offload_dir: str | None = None) -> dict:
                 counts["recomputed"] += max(0, min(start + n, high[seq.seq_id]) - start)
             counts["tokens"] += n
             counts["prefill_tokens"] += n if n > 1 else 0
-        last["prefill"] = any(n > 1 for _, n in out.scheduled)
+        last_prefill = any(n > 1 for _, n in out.scheduled)
         return out
 
     eng.scheduler.schedule = counted
@@ -59,7 +60,7 @@ def run(layout, args, offload_dir: str | None = None) -> dict:
     while eng.has_unfinished():
         t = time.perf_counter()
         eng.step()
-        if last["prefill"]:
+        if last_prefill:
             counts["prefill_s"] += time.perf_counter() - t
     wall = time.perf_counter() - t0
     llm.close()

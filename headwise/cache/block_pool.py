@@ -148,3 +148,15 @@ class BlockPool:
         assert all(self.key[b] is not None for q in queues[1:] for b in q)
         counts = Counter(self.key[b][0] for q in queues[1:] for b in q)
         assert +counts == +self.cached_free, (counts, self.cached_free)
+
+
+def id_runs(ids: list[int]) -> list[tuple[int, int, int]]:
+    """(first id, its index in `ids`, length) of each maximal run of consecutive ids. The
+    pool hands blocks out in ascending runs (take), so a table or snapshot has few."""
+    out: list[tuple[int, int, int]] = []
+    for i, b in enumerate(ids):
+        if out and out[-1][0] + out[-1][2] == b:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((b, i, 1))
+    return out

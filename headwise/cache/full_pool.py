@@ -7,7 +7,7 @@ the runner owns the storage.
 """
 from __future__ import annotations
 
-from headwise.cache.block_pool import BlockPool
+from headwise.cache.block_pool import BlockPool, id_runs
 
 
 class FullHeadPool:
@@ -60,11 +60,11 @@ class FullHeadPool:
     def _extend(self, seq_id: int, ids: list[int]) -> None:
         self.tables[seq_id].extend(ids)
         runs = self._runs[seq_id]
-        for b in ids:
-            if runs and runs[-1][0] + runs[-1][1] == b:
-                runs[-1][1] += 1
+        for first, _, n in id_runs(ids):
+            if runs and runs[-1][0] + runs[-1][1] == first:  # continues the last run
+                runs[-1][1] += n
             else:
-                runs.append([b, 1])
+                runs.append([first, n])
 
     def free(self, seq_id: int) -> None:
         # Last block first: a sequence's tail is evicted before its prefix (LRU order).

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from headwise.cache.block_pool import id_runs
 from headwise.cache.spec import CacheGeometry, WindowGroupSpec
 from headwise.layers.attention import WindowGroup
 from headwise.layers.kv_tensor import KVTensor
@@ -93,14 +94,14 @@ class KVStorage:
         for v in views:
             n = v.shape[0] * v.shape[2]
             src = buf[:, at: at + n].reshape(N, v.shape[0], -1).transpose(0, 1)  # [heads, N, bytes]
-            for first, i, m in _runs(pages):  # slice copies: ~4x faster than index_copy_ here
+            for first, i, m in id_runs(pages):  # slice copies: ~4x faster than index_copy_ here
                 v[:, first: first + m].copy_(src[:, i: i + m])
             at += n
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         parts = []
         for v in self._page_views():
-            runs = [v[:, first: first + m] for first, _, m in _runs(pages)]
+            runs = [v[:, first: first + m] for first, _, m in id_runs(pages)]
             got = runs[0] if len(runs) == 1 else torch.cat(runs, 1)  # [heads, N, bytes]
             parts.append(got.transpose(0, 1).reshape(len(pages), -1))
         return torch.cat(parts, 1).reshape(-1)  # [N, views' bytes] flat
@@ -141,14 +142,3 @@ class KVStorage:
                               self._ring_pair(g)) for g in geo.groups[layer]]
         return nf, kf, vf, groups, kv
 
-
-def _runs(pages: list[int]) -> list[tuple[int, int, int]]:
-    """(first page, index in `pages`, length) of each run of consecutive page ids: the
-    pool hands pages out in ascending runs (BlockPool.take), so a snapshot is one or a few."""
-    out = []
-    for i, p in enumerate(pages):
-        if out and out[-1][0] + out[-1][2] == p:
-            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
-        else:
-            out.append((p, i, 1))
-    return out
