@@ -3,7 +3,8 @@
 #   bash benchmarks/device_run.sh            # results under $OUT (or ./bench/gpu)
 # The machine has PyTorch and Triton but no network; headwise installs without deps.
 # Kernel tests first (the same tests CI runs in Triton's interpreter, here on CUDA),
-# then the GPU benchmark, with the decode step eager vs captured (torch.compile; issue #19).
+# then the GPU benchmark, with the decode step eager vs CUDA graphs vs graphs over the
+# torch.compile'd body (issue #19).
 # Engine tests need the default model's tokenizer (not carried).
 set -o pipefail
 export PYTHONUNBUFFERED=1

@@ -176,27 +176,47 @@ def measure_kernels(args, contexts: list[int], dtype) -> list[dict]:
     return out
 
 
+CAPTURE_MODES = (("eager", True), ("graphs", None), ("graphs+compile", False))  # (name, enforce_eager)
+
+
 def measure_capture(args, context: int, dtype) -> list[dict]:
-    """Batch-1 decode of the split layout with the decode step eager and captured
-    (torch.compile, `enforce_eager=False`; CUDA graphs are not built), and compile time."""
+    """Decode of the split layout with the step eager (`enforce_eager=True`), replayed from
+    CUDA graphs (the default on CUDA) and from graphs of the torch.compile'd body
+    (`enforce_eager=False`): batch-1 and batch-8 decode tokens/s, capture and compile
+    seconds, and whether greedy tokens equal eager's (bfloat16 random weights: graphs read
+    block tables as wide as max_model_len, so split-K sums may round differently)."""
+    from headwise import SamplingParams
+
     shape = TINY if args.tiny else LLAMA3_8B
     dims = (shape["num_layers"], shape["num_kv_heads"], shape["head_dim"])
     layout = HeadLayout.random(dims, args.full_fraction, seed=0, sink=args.sink, window=args.window)
     ids = [(31 * j + 7) % (shape["vocab_size"] - 1) + 1 for j in range(context)]
-    out = []
-    for eager in (True, False):
-        model = random_model(shape, context + args.new_tokens + 8, args.device, dtype)
+    max_len = context + args.new_tokens + args.agg_steps + 8
+    out, eager_tokens = [], None
+    for mode, eager in CAPTURE_MODES:
+        model = random_model(shape, max_len, args.device, dtype)
         llm = LLM.from_model(model, IdTokenizer(), head_layout=layout, dtype=args.dtype, device=args.device,
                              attention_backend=args.backend, max_num_batched_tokens=args.chunk,
-                             max_model_len=context + args.new_tokens + 8, enforce_eager=eager)
-        cap = llm.engine.runner.forward
+                             max_model_len=max_len, kv_cache_memory=int(args.budget_gib * (1 << 30)),
+                             max_num_seqs=8, enforce_eager=eager)
+        runner = llm.engine.runner
+        graphs = runner.graphs is not None and runner.graphs.enabled
         tps = statistics.median(headwise_single(llm, ids, args.new_tokens)[1] for _ in range(args.runs))
-        rec = dict(context=context, enforce_eager=eager, captured=cap.enabled, compile_s=cap.compile_s,
-                   decode_tok_s=tps)
-        print(f"capture {context:7d}: {'eager' if eager else 'captured' if cap.enabled else 'capture failed'}: "
-              f"decode {tps:.1f} tok/s (compiled in {cap.compile_s:.1f} s)", flush=True)
+        batch8 = headwise_aggregate(llm, context, 8, args.agg_steps)
+        llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=args.new_tokens, ignore_eos=True)
+        tokens = llm.generate([ids], params, use_tqdm=False)[0].token_ids
+        eager_tokens = tokens if eager else eager_tokens
+        rec = dict(context=context, mode=mode, graphs=graphs, compile_s=runner.forward.compile_s,
+                   capture_s=runner.graphs.capture_s if graphs else 0.0, decode_tok_s=tps, batch8_tok_s=batch8,
+                   same_tokens_as_eager=tokens == eager_tokens)
+        print(f"capture {context:7d} {mode:14s}: graphs {graphs}, batch 1 {tps:.1f} tok/s, batch 8 {batch8:.1f} tok/s, "
+              f"capture {rec['capture_s']:.1f} s, compile {rec['compile_s']:.1f} s, "
+              f"tokens as eager {rec['same_tokens_as_eager']}", flush=True)
         out.append(rec)
-        del llm, model
+        del llm, model, runner
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
     return out
 
 
@@ -229,10 +249,12 @@ def markdown(records: list[dict], kernels: list[dict], args, capture: list[dict]
             lines.append(f"| {k['context']} | {k['decode_triton_ms']:.3f} | {k['decode_sdpa_ms']:.3f} | "
                          f"{k['prefill_chunk']} | {k['prefill_triton_ms']:.2f} | {k['prefill_sdpa_ms']:.2f} |")
     if capture:
-        lines += ["", "| context | decode step | decode tok/s (batch 1) | compile s |", "|---:|---|---:|---:|"]
+        lines += ["", "| context | decode step | graphs | decode tok/s (batch 1) | batch 8 tok/s | capture s | "
+                  "compile s | tokens as eager |", "|---:|---|---|---:|---:|---:|---:|---|"]
         for c in capture:
-            mode = "eager" if c["enforce_eager"] else "captured" if c["captured"] else "capture failed"
-            lines.append(f"| {c['context']} | {mode} | {c['decode_tok_s']:.1f} | {c['compile_s']:.1f} |")
+            lines.append(f"| {c['context']} | {c['mode']} | {'yes' if c['graphs'] else 'no'} | "
+                         f"{c['decode_tok_s']:.1f} | {c['batch8_tok_s']:.1f} | {c['capture_s']:.1f} | "
+                         f"{c['compile_s']:.1f} | {'yes' if c['same_tokens_as_eager'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 
@@ -259,7 +281,7 @@ def main(argv=None) -> int:
                     help="comma-separated: full | split, optionally +KV_DTYPE (split+int8)")
     ap.add_argument("--no-kernels", action="store_true")
     ap.add_argument("--capture", action="store_true",
-                    help="also batch-1 decode eager vs captured (torch.compile) at the shortest context")
+                    help="also decode eager vs CUDA graphs vs graphs + torch.compile at the shortest context")
     ap.add_argument("--tiny", action="store_true", help="tiny model shape (harness smoke test)")
     ap.add_argument("--out-dir", default="bench/gpu")
     args = ap.parse_args(argv)

@@ -81,9 +81,10 @@ class EngineConfig:
     # "rebased" (StreamingLLM: distances as if evicted tokens were never there).
     window_positions: str = _opt("original", "rotary positions of window heads: original "
                                  "(DuoAttention) or rebased (StreamingLLM)", str, WINDOW_POSITIONS)
-    enforce_eager: bool | None = _opt(None, "never compile the decode step (default: compiled with "
-                                      "torch.compile where that pays: CPU decode over 4-bit weights; "
-                                      "--no-enforce-eager: wherever it compiles)", bool)
+    enforce_eager: bool | None = _opt(None, "never compile or graph-capture the decode step (default: "
+                                      "CUDA graphs on CUDA with the Triton backend, torch.compile where "
+                                      "that pays: CPU decode over 4-bit weights; --no-enforce-eager: "
+                                      "compiled wherever it compiles, graphs on CUDA too)", bool)
     enable_prefix_caching: bool = _opt(True, "reuse the KV of prompt prefixes seen before (full-head "
                                        "blocks and window-head state)", bool)
     kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "

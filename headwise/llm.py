@@ -57,18 +57,26 @@ class LLM:
         return llm
 
     def generate(self, prompts: "str | list[int] | list[str | list[int]]",
-                 params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        params = params or SamplingParams()
+                 params: "SamplingParams | list[SamplingParams] | None" = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """`params`: one SamplingParams for every prompt, or one per prompt (as vLLM takes)."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        if isinstance(params, list):
+            if len(params) != len(prompts):
+                raise ValueError(f"{len(params)} sampling params for {len(prompts)} prompts; "
+                                 "pass one, or one per prompt")
+            per_prompt = params
+        else:
+            per_prompt = [params or SamplingParams()] * len(prompts)
         # Validate every prompt before any is queued, so bad input leaves nothing behind.
         encoded = [self.engine.encode(p) for p in prompts]
-        for ids in encoded:
-            self.engine.check_length(len(ids), params.max_tokens)
+        for ids, p in zip(encoded, per_prompt):
+            self.engine.check_length(len(ids), p.max_tokens)
         seqs: list[Sequence] = []
         try:
-            for ids in encoded:
-                seqs.append(self.engine.add_request(ids, params))
+            for ids, p in zip(encoded, per_prompt):
+                seqs.append(self.engine.add_request(ids, p))
             self._run(seqs, use_tqdm and len(seqs) > 1)
         except BaseException:
             for s in seqs:
@@ -77,8 +85,10 @@ class LLM:
             raise
         return [RequestOutput.from_seq(s) for s in seqs]
 
-    def chat(self, messages, params: SamplingParams | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """`messages`: one conversation (a list of {role, content}) or a list of them."""
+    def chat(self, messages, params: "SamplingParams | list[SamplingParams] | None" = None,
+             use_tqdm: bool = True) -> list[RequestOutput]:
+        """`messages`: one conversation (a list of {role, content}) or a list of them;
+        `params` as in generate."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c) for c in convs]
         return self.generate(prompts, params, use_tqdm)

@@ -67,11 +67,15 @@ def test_gpu_benchmark_harness_on_cpu(tmp_path):
     assert s["kv_bytes_per_seq"] < f["kv_bytes_per_seq"] and s["max_concurrency"] > f["max_concurrency"]
     md = (out / "results.md").read_text()
     assert f"| 300 | split | {f['ttft_s'] / s['ttft_s']:.2f}x | {f['kv_bytes_per_seq'] / s['kv_bytes_per_seq']:.2f}x |" in md
-    # Decode eager vs captured (float32 on the CPU: captured because enforce_eager=False).
-    eager, cap = res["capture"]
-    assert eager["enforce_eager"] and not eager["captured"] and eager["compile_s"] == 0
-    assert cap["captured"] and cap["compile_s"] > 0 and cap["decode_tok_s"] > 0
-    assert f"| 128 | captured | {cap['decode_tok_s']:.1f} |" in md
+    # Decode eager, graphs, graphs + compile: no CUDA graphs on the CPU; float32 compiled
+    # because enforce_eager=False, with eager's tokens.
+    eager, graphs, compiled = res["capture"]
+    assert [c["mode"] for c in res["capture"]] == ["eager", "graphs", "graphs+compile"]
+    assert not any(c["graphs"] or c["capture_s"] for c in res["capture"])
+    assert eager["compile_s"] == 0 == graphs["compile_s"] and compiled["compile_s"] > 0
+    for c in res["capture"]:
+        assert c["decode_tok_s"] > 0 and c["batch8_tok_s"] > 0 and c["same_tokens_as_eager"]
+    assert f"| 128 | graphs+compile | no | {compiled['decode_tok_s']:.1f} | {compiled['batch8_tok_s']:.1f} |" in md
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")

@@ -91,6 +91,20 @@ def test_invalid_sampling_values(kwargs, param):
     assert e.value.param == param
 
 
+def test_sampling_params_per_prompt(llm):
+    """One SamplingParams per prompt, as vLLM takes them: each request runs under its own."""
+    a, b = SamplingParams(max_tokens=5, ignore_eos=True), SamplingParams(max_tokens=13, ignore_eos=True)
+    out = llm.generate(PROMPTS[:2], [a, b], use_tqdm=False)
+    assert [len(o.token_ids) for o in out] == [5, 13]
+    assert out[1].token_ids == llm.generate(PROMPTS[1], b)[0].token_ids
+    with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
+        llm.generate(PROMPTS[:3], [a, b])
+    long = list(range(100, 600))  # checked against its own max_tokens: nothing queued
+    with pytest.raises(PromptTooLongError, match="500 in the prompt, 13"):
+        llm.generate([PROMPTS[0], long], [a, b])
+    _assert_idle(llm)
+
+
 def test_prompt_longer_than_max_model_len(llm):
     long = list(range(100, 600))
     with pytest.raises(PromptTooLongError, match="maximum context length is 512.*500 in the prompt, 16"):

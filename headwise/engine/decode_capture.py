@@ -18,6 +18,8 @@ Policy, EngineConfig.enforce_eager:
           benchmarks/bench_decode_capture.py; elsewhere it is unmeasured or did not pay.
     False: captured wherever torch.compile works (float32, other devices).
     True: never (vLLM's --enforce-eager).
+On CUDA the step is also replayed from CUDA graphs (engine.cuda_graphs) unless True; with
+False the graphs capture the compiled body.
 Compilation happens at start (warm-up with dry steps of 1 and 2 tokens; the second compile
 covers 2-8 tokens with a dynamic size), not in a request's latency; its seconds are logged
 and kept in `compile_s`. Where it fails (no C++ compiler, an op Inductor cannot handle) the
@@ -34,7 +36,7 @@ import torch
 
 from headwise.layers import opaque
 from headwise.layers.attention import HeadSplitAttention
-from headwise.layers.context import StepContext, set_context
+from headwise.layers.context import StepContext, step_context
 from headwise.layers.linear import INT4_MAX_ROWS, Int4Copy, Linear
 from headwise.models.causal_lm import CausalLM
 
@@ -84,14 +86,19 @@ class DecodeCapture:
     def applies(self, num_tokens: int) -> bool:
         return self.enabled and num_tokens <= CAPTURE_MAX_TOKENS
 
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions [T] -> the last layer's output [T, hidden]: the compiled
+        graph for a small step, else eager (also what a CUDA graph captures)."""
+        tables = self.model.rope_tables(positions)
+        if self.applies(input_ids.shape[0]):
+            return self.graph(self.model, input_ids, tables)
+        return self.model.hidden_states(input_ids, tables)
+
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor,
                  logits_indices: torch.Tensor) -> torch.Tensor:
         # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
-        if not self.applies(input_ids.shape[0]):
-            return self.model(input_ids, positions, logits_indices)
-        x = self.graph(self.model, input_ids, self.model.rope_tables(positions))
-        return self.model.logits(x, logits_indices)
+        return self.model.logits(self.hidden_states(input_ids, positions), logits_indices)
 
     def warm_up(self) -> None:
         """Compile for every size in WARMUP_TOKENS with dry steps (attention returns zeros
@@ -104,9 +111,8 @@ class DecodeCapture:
             # graph's guards accept the real steps.
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)
             pos = torch.arange(n, dtype=torch.int64, device=self.device)
-            set_context(StepContext(positions=pos, full_slots=pos, dry_run=True))
             try:
-                with torch.inference_mode():
+                with step_context(StepContext(positions=pos, full_slots=pos, dry_run=True)), torch.inference_mode():
                     self.graph(self.model, ids, self.model.rope_tables(pos))
             except Exception as e:  # noqa: BLE001 - any compiler failure means eager
                 self.enabled, self.graph = False, None
@@ -114,8 +120,6 @@ class DecodeCapture:
                 log.warning("decode capture unavailable, running eagerly: %s: %s", type(e).__name__, first)
                 log.debug("decode capture failure", exc_info=True)
                 return
-            finally:
-                set_context(None)
         self.compile_s = time.perf_counter() - t0
         log.info("decode step captured for steps of 1-%d tokens (compiled in %.1f s)",
                  CAPTURE_MAX_TOKENS, self.compile_s)

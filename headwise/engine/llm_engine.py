@@ -98,7 +98,8 @@ class LLMEngine:
             self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp,
                                             config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
-                                  config.backend, config.window_positions, config.enforce_eager)
+                                  config.backend, config.window_positions, config.enforce_eager,
+                                  config.max_num_seqs, self.max_model_len)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_queue)
         self.eos_ids = set(mcfg.eos_token_ids)

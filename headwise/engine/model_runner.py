@@ -6,11 +6,12 @@ import torch
 
 from headwise.cache.manager import KVCacheManager
 from headwise.cache.ops import PageOut, RingClone, RingCopy
+from headwise.engine import cuda_graphs
 from headwise.engine.decode_capture import DecodeCapture
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
 from headwise.layers.backend import attention_backend
-from headwise.layers.context import PrefillChunk, StepContext, set_context
+from headwise.layers.context import PrefillChunk, StepContext, step_context
 from headwise.layers.window_geometry import ring_index, ring_writes, window_chunk
 from headwise.models.causal_lm import CausalLM
 
@@ -18,7 +19,8 @@ from headwise.models.causal_lm import CausalLM
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCacheManager, dtype: torch.dtype,
                  device: torch.device | str = "cpu", backend: str = "torch",
-                 window_positions: str = "original", enforce_eager: bool | None = None) -> None:
+                 window_positions: str = "original", enforce_eager: bool | None = None,
+                 max_num_seqs: int = 1, max_model_len: int | None = None) -> None:
         self.model = model
         self.cache = cache
         self.dtype = dtype
@@ -32,12 +34,25 @@ class ModelRunner:
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
         self.window_kinds = cache.geometry.window_kinds()
-        self.kv = KVStorage(cache.geometry, cache.num_blocks, cache.num_ring_slots, self.device,
+        # Decode in CUDA graphs (engine.cuda_graphs): where the backend's decode reads only
+        # tensors, unless eager is enforced. Padding rows write into one spare block and
+        # ring slot past the manager's books.
+        capturer = (cuda_graphs.capturer_for(self.device)
+                    if self.backend.PAGED and enforce_eager is not True and not self.rebased else None)
+        spare = int(capturer is not None)
+        self.kv = KVStorage(cache.geometry, cache.num_blocks + spare, cache.num_ring_slots + spare, self.device,
                             page_bytes=cache.page_bytes, compute_dtype=dtype)
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)
         self.forward.warm_up()
+        self.graphs = None
+        if capturer is not None:
+            max_len = max_model_len or model.config.max_position_embeddings
+            self.graphs = cuda_graphs.CudaGraphDecode(
+                self.forward.hidden_states, capturer, self.device, max_num_seqs, -(-max_len // cache.block_size),
+                cache.block_size, self.window_kinds, cache.has_full_heads, cache.num_blocks, cache.num_ring_slots)
+            self.graphs.capture()
 
     def apply(self, ops: list, tier=None) -> None:
         """The cache manager's copies, in order: window-state snapshots (ring slot <->
@@ -65,13 +80,15 @@ class ModelRunner:
         the step's token order, decodes first); used by evaluation (perplexity) and tests."""
         ctx, ids, sampling_rows, sampling_seqs = self._context(scheduled)
         dev = self.device
-        set_context(ctx)
-        try:
+        with step_context(ctx):
             rows = torch.tensor(sampling_rows if logit_rows is None else logit_rows,
                                 dtype=torch.int64, device=dev)
-            logits = self.forward(torch.tensor(ids, dtype=torch.int64, device=dev), ctx.positions, rows)
-        finally:
-            set_context(None)
+            ids = torch.tensor(ids, dtype=torch.int64, device=dev)
+            if logit_rows is None and self.graphs is not None and self.graphs.applies(ctx):
+                with torch.inference_mode():  # every decode row samples: rows are 0..B-1
+                    logits = self.model.logits(self.graphs.replay(ctx, ids), rows)
+            else:
+                logits = self.forward(ids, ctx.positions, rows)
         return logits.float().cpu(), sampling_seqs
 
     def _context(self, scheduled: list[tuple[Sequence, int]]):

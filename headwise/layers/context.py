@@ -6,6 +6,7 @@ layer: slot ids, block tables, ring slots, and the window heads' geometry.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -64,9 +65,15 @@ class StepContext:
 _CONTEXT: StepContext | None = None
 
 
-def set_context(ctx: StepContext | None) -> None:
+@contextmanager
+def step_context(ctx: StepContext):
+    """Layers called inside the block read `ctx`; the context set before comes back after."""
     global _CONTEXT
-    _CONTEXT = ctx
+    prev, _CONTEXT = _CONTEXT, ctx
+    try:
+        yield ctx
+    finally:
+        _CONTEXT = prev
 
 
 def get_context() -> StepContext:
