@@ -10,16 +10,17 @@ import shutil
 import pytest
 import torch
 import torch.nn.functional as F
+from gguf import GGMLQuantizationType
 
 from headwise import LLM, SamplingParams
 from headwise.cache.layout import HeadLayout
 from headwise.cache.spec import KVClassSpec
-from headwise.kernels import cpu_kernels, pointwise
+from headwise.kernels import cpu_kernels, int8_matmul, pointwise
 from headwise.layers.kv_tensor import dequantize, quantize
 from headwise.layers.norm import RMSNorm
 from headwise.layers import torch_attention
 from tests.test_decode_capture import PROMPTS, _mixed
-from tests import test_pointwise
+from tests import test_int8_matmul, test_pointwise
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 
@@ -202,7 +203,7 @@ def fresh_build(tmp_path, monkeypatch):
 
 
 def _forget_libraries() -> None:
-    for f in (cpu_kernels._load, cpu_kernels.library, cpu_kernels.pointwise_library):
+    for f in (cpu_kernels._load, cpu_kernels.library, cpu_kernels.pointwise_library, cpu_kernels.matmul_library):
         f.cache_clear()
 
 
@@ -211,9 +212,12 @@ def test_a_failing_compiler_means_pytorch_attention(fresh_build, monkeypatch, ca
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is None
         assert cpu_kernels.pointwise_library() is None
-    assert len([r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]) == 2
+        assert cpu_kernels.matmul_library() is None
+    assert len([r.getMessage() for r in caplog.records if "unavailable" in r.getMessage()]) == 3
     x = torch.randn(8, 64)
     assert pointwise.rms_norm(x, torch.ones(64), 1e-6) is None  # the layers keep PyTorch's code
+    codes, scales = int8_matmul.exact_int8(test_int8_matmul.gguf_weight(16, 64, GGMLQuantizationType.Q8_0))
+    assert int8_matmul.int8_matmul(x[:2], codes, scales) is None  # linears: their packed weight
     assert torch.equal(RMSNorm(64, 1e-6)(x), F.rms_norm(x, (64,), torch.ones(64), 1e-6))
     spec = KVClassSpec.resolve("full", "auto", torch.float32, 64)
     assert not torch_attention.decode_kernel(torch.device("cpu"), spec, torch.float32)
@@ -230,10 +234,12 @@ def test_without_openmp_the_kernel_runs_on_one_thread(compiled, fresh_build, mon
     with caplog.at_level("WARNING", logger="headwise.kernels"):
         assert cpu_kernels.library() is not None
         assert cpu_kernels.pointwise_library() is not None
+        assert cpu_kernels.matmul_library() is not None
     assert any("without OpenMP" in r.getMessage() for r in caplog.records)
     test_paged_blocks_match_sdpa(None, torch.float32, "int8", 3, 3, 64)
     test_pointwise.test_rotary_is_pytorch_bit_for_bit(torch.bfloat16, True)
     test_pointwise.test_rms_norm_matches_pytorch(torch.bfloat16, 1e-2)
+    test_int8_matmul.test_kernel_matches_the_dequantized_weight(None, torch.bfloat16, 8e-3, 3)
 
 
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="an x86 flag")
@@ -249,6 +255,8 @@ def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatc
     test_paged_blocks_match_sdpa(None, torch.bfloat16, "int8", 1, 4, 256)
     test_paged_blocks_match_sdpa(None, torch.float32, "plain", 3, 3, 64)
     test_rings_match_sdpa_and_take_the_new_token(None, torch.bfloat16, "plain")
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):  # cpu_matmul.c's portable loop
+        test_int8_matmul.test_kernel_matches_the_dequantized_weight(None, dtype, tol, 4)
 
 
 @pytest.mark.parametrize("kv_dtype", [{"full": "int8", "window": "float16"}, {"full": "float16", "window": "int8"}])

@@ -1,7 +1,8 @@
 """headwise's C kernels for the CPU, compiled on the machine that runs them.
 
-cpu_decode.c (decode attention over paged blocks or rings, see there) and cpu_pointwise.c
-(RMSNorm and the rotary embedding, used by headwise.kernels.pointwise) are each compiled
+cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_pointwise.c
+(RMSNorm and the rotary embedding, used by headwise.kernels.pointwise) and cpu_matmul.c
+(decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul) are each compiled
 once per source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp, and without OpenMP where the compiler lacks it: one thread) into
 the cache directory, and called through ctypes, which releases the GIL. A library links
@@ -131,6 +132,17 @@ def pointwise_library() -> ctypes.CDLL | None:
         lib.rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                ctypes.c_int, ctypes.c_int]
         lib.rms_norm.restype = lib.rotary.restype = None
+    return lib
+
+
+@functools.cache
+def matmul_library() -> ctypes.CDLL | None:
+    """The int8-weight matmul of decode-sized calls (cpu_matmul.c), or None."""
+    lib = _load("cpu_matmul")
+    if lib is not None:
+        lib.int8_matmul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _ptr, _i64,
+                                    ctypes.c_int, ctypes.c_int]
+        lib.int8_matmul.restype = ctypes.c_int
     return lib
 
 

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headwise.kernels.int8_matmul import exact_int8, int8_matmul
 from headwise.layers import opaque
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
@@ -38,6 +39,10 @@ INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
 # CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
 # float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
 INT4_DTYPES = (torch.bfloat16,)
+# Activation dtypes an int8 copy (kernels.int8_matmul) is kept for: where the dense weight
+# is bfloat16, so the copy halves the bytes a decode step reads (float32 engines are the
+# reference runs and keep their exact dense weights).
+INT8_DTYPES = (torch.bfloat16,)
 # activation -> oneDNN post-op (attribute, algorithm) fused into the packed matmul
 ACTIVATIONS = {"none": ("none", ""), "silu": ("swish", ""), "gelu_tanh": ("gelu", "tanh")}
 
@@ -148,6 +153,10 @@ class Linear(Int4Copy, nn.Module):
         # 4-bit copy for small calls (see Int4Copy.int4). Found while float32; pack() casts
         # the scales to the activation dtype, and only a packed layer uses it.
         Int4Copy.init(self)
+        # int8 copy for calls of a few rows, where the weight is exactly int8 codes times a
+        # scale per 32 inputs and not 4-bit: (codes [out, in] int8, scales [out, in/32]).
+        self.register_buffer("int8_codes", None, persistent=False)
+        self.register_buffer("int8_scales", None, persistent=False)
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
@@ -162,16 +171,29 @@ class Linear(Int4Copy, nn.Module):
         self.int4 = int4_pack(*found)
         return True
 
+    def find_int8(self) -> bool:
+        """Keep an int8 copy of the weight if it has no 4-bit one and is exactly int8 codes
+        times a scale per 32 inputs (see kernels.int8_matmul.exact_int8); call while the
+        weight is still float32."""
+        found = None if self.weight is None or self.int4 is not None else exact_int8(self.weight.detach())
+        if found is None:
+            return False
+        self.int8_codes, self.int8_scales = found
+        return True
+
     def pack(self) -> bool:
         """Prepack the weight for oneDNN; False (and nothing changes) where that is not
         supported: not on the CPU, or a dtype other than float32/bfloat16."""
         if self.packed is not None:
             return True
         if self.weight is None or not can_pack(self.weight):
-            self.int4 = None  # only a packed layer uses it
+            self.int4 = None  # only a packed layer uses them
+            self.int8_codes = self.int8_scales = None
             return False
         if self.int4 is not None:
             self.int4 = int4_cast(self.int4, self.weight.dtype)
+        if self.weight.dtype not in INT8_DTYPES:
+            self.int8_codes = self.int8_scales = None
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -189,13 +211,17 @@ class Linear(Int4Copy, nn.Module):
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
         small = self._small(x)
         if self.packed is not None and not small:
-            return self._packed(x, act, None)
+            y = self._int8(x)
+            return self._packed(x, act, None) if y is None else activate(y, act)
         return activate(self.int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
         if self._small(x):
             return self.int4_mm(x) * other
+        y = self._int8(x)
+        if y is not None:
+            return y * other
         if self.packed is not None:
             return self._packed(x, "none", other)
         return F.linear(x, self.weight, self.bias) * other
@@ -212,13 +238,21 @@ class Linear(Int4Copy, nn.Module):
         attr, algorithm = ACTIVATIONS[act]
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, attr, [], algorithm)
 
+    def _int8(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [M, in] through the int8 copy (plus bias) -> [M, out], or None where it does
+        not apply (no copy, more rows than kernels.int8_matmul.MAX_ROWS, no kernel)."""
+        if self.int8_codes is None or x.dim() != 2:
+            return None
+        y = int8_matmul(x, self.int8_codes, self.int8_scales)
+        return y if y is None or self.bias is None else y + self.bias
+
     def _small(self, x: torch.Tensor) -> bool:
         return self.packed is not None and self.int4 is not None and decode_sized(x)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bias={self.bias is not None}, packed={self.packed is not None}, "
-                f"int4={self.int4 is not None}")
+                f"int4={self.int4 is not None}, int8={self.int8_codes is not None}")
 
 
 class FusedInt4(Int4Copy, nn.Module):

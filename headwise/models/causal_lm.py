@@ -61,18 +61,21 @@ class CausalLM(nn.Module):
 
     def prepare_weights(self, dtype: torch.dtype) -> None:
         """Cast to the compute dtype and prepack the linear weights for the CPU (see
-        layers.linear). 4-bit weights are recognised first, while float32 holds them
-        exactly; float32 norms keep their float32 weights. Call once, on the final device,
-        after any edit of the plain weights."""
+        layers.linear). 4-bit weights (else int8 ones) are recognised first, while
+        float32 holds them exactly; float32 norms keep their float32 weights. Call once,
+        on the final device, after any edit of the plain weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            m.find_int4()
+            m.find_int4() or m.find_int8()
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
+        scales = {m: m.int8_scales for m in linears if m.int8_scales is not None}  # float32: exact
         self.to(dtype)
         for m, w in kept.items():
             m.weight.data = w
+        for m, sc in scales.items():
+            m.int8_scales = sc
         for m in self.modules():
             if isinstance(m, FusedInt4):
                 m.cast(dtype)
