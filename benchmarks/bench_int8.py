@@ -36,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="SmolLM2-135M-Instruct,gemma-3-270m")
     ap.add_argument("--rows", default="1,2,4,8")
     ap.add_argument("--runs", type=int, default=7)
-    ap.add_argument("--out", default="bench/int8.json")
+    ap.add_argument("--out", default="bench/int8_linear.json")
     args = ap.parse_args(argv)
     lines = [f"Machine: {machine()}; bfloat16 activations; ms per pass over the model's int8 linears, "
              f"median [min-max] of {args.runs}; the engine uses the int8 copy up to {MAX_ROWS} rows", "",
