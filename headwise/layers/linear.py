@@ -211,17 +211,13 @@ class Linear(Int4Copy, nn.Module):
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
         small = self._small(x)
         if self.packed is not None and not small:
-            y = self._int8(x)
-            return self._packed(x, act, None) if y is None else activate(y, act)
+            return self._packed(x, act, None)
         return activate(self.int4_mm(x) if small else F.linear(x, self.weight, self.bias), act)
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
         if self._small(x):
             return self.int4_mm(x) * other
-        y = self._int8(x)
-        if y is not None:
-            return y * other
         if self.packed is not None:
             return self._packed(x, "none", other)
         return F.linear(x, self.weight, self.bias) * other
@@ -232,7 +228,12 @@ class Linear(Int4Copy, nn.Module):
         return self.packed_call(x, act, other)
 
     def packed_call(self, x: torch.Tensor, act: str, other: torch.Tensor | None) -> torch.Tensor:
-        """The packed weight's matmul with `act` fused, or (other given) times `other`."""
+        """The packed weight's matmul with `act` fused, or (other given) times `other`; a
+        call of a few rows goes through the int8 copy where there is one (decided here, at
+        run time, so a compiled graph holds one op for every row count)."""
+        y = self._int8(x)
+        if y is not None:
+            return activate(y, act) if other is None else y * other
         if other is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other.contiguous(), self.packed, self.bias, "mul")
         attr, algorithm = ACTIVATIONS[act]
