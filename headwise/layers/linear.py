@@ -1,5 +1,5 @@
 """Linear layer whose weight can be prepacked for oneDNN on the CPU, and whose weight,
-where it is exactly 4-bit, is also kept 4-bit for decode.
+where it is exactly 4-bit (else exactly int8 per group of 32), is also kept so for decode.
 
 Plain F.linear on the CPU reorders the weight into oneDNN's blocked layout on every call.
 `pack()` does it once. The packed kernel also applies SiLU and a following elementwise
@@ -10,9 +10,12 @@ bandwidth. A GGUF Q4_1 tensor is 4-bit codes with a scale and an offset per grou
 inputs; `find_int4()` recovers them exactly from the loaded float32 weight, and calls with
 at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
 (bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES).
-Larger calls (prefill, big batches) use the packed dense weight. Under torch.compile a
-packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
-packed matmul only for weights it packed itself.
+A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0, Q5_0, Q4_0)
+keeps those for calls of at most 4 rows instead (kernels.int8_matmul: half the bytes of
+bfloat16), chosen inside the packed call. Larger calls (prefill, big batches) use the
+packed dense weight. Under torch.compile a packed call is an opaque custom op
+(headwise::packed_linear): Inductor lowers oneDNN's packed matmul only for weights it
+packed itself.
 
 Measured by benchmarks/bench_linear.py on this project's 2-core AVX512-BF16 machine
 (bfloat16, SmolLM2's 210 projections): at 1 row plain 22.6 ms, packed 13.0, 4-bit 5.1;
