@@ -34,6 +34,7 @@ from typing import Callable
 
 import torch
 
+from headwise.engine.decode_capture import warn_eager
 from headwise.layers.context import StepContext, WindowKind, step_context
 
 log = logging.getLogger("headwise.cuda_graphs")
@@ -156,9 +157,7 @@ class CudaGraphDecode:
                         lambda ids=self.ids[:n], pos=self.positions[:n]: self.hidden_fn(ids, pos))
         except Exception as e:  # noqa: BLE001 - any capture failure means eager decode
             self.graphs.clear()
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            log.warning("CUDA graph capture failed, decode runs eagerly: %s: %s", type(e).__name__, first)
-            log.debug("CUDA graph capture failure", exc_info=True)
+            warn_eager(log, "CUDA graph capture failed, decode runs eagerly", e)
             return
         self.capture_s = time.perf_counter() - t0
         log.info("decode captured in CUDA graphs for batches of %s (%.1f s)",

@@ -49,6 +49,14 @@ OPTIONS = {"cpp_wrapper": True,
            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
+def warn_eager(logger: logging.Logger, what: str, e: Exception) -> None:
+    """One warning line for a capture that failed (the error's first line); the
+    traceback at debug level."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    logger.warning("%s: %s: %s", what, type(e).__name__, first)
+    logger.debug("%s", what, exc_info=True)
+
+
 def reads_int4(model: CausalLM) -> bool:
     """Whether decode-sized calls of `model` read 4-bit weights (see layers.linear)."""
     return any(isinstance(m, Int4Copy) and m.int4 is not None for m in model.modules())
@@ -116,9 +124,7 @@ class DecodeCapture:
                     self.graph(self.model, ids, self.model.rope_tables(pos))
             except Exception as e:  # noqa: BLE001 - any compiler failure means eager
                 self.enabled, self.graph = False, None
-                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-                log.warning("decode capture unavailable, running eagerly: %s: %s", type(e).__name__, first)
-                log.debug("decode capture failure", exc_info=True)
+                warn_eager(log, "decode capture unavailable, running eagerly", e)
                 return
         self.compile_s = time.perf_counter() - t0
         log.info("decode step captured for steps of 1-%d tokens (compiled in %.1f s)",

@@ -95,7 +95,8 @@ def _load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     error = None
     for flags in FLAG_SETS:
         flags = flags + list(extra)
-        key = hashlib.sha256("\0".join([source.read_text(), " ".join(flags), version,
+        headers = [h.read_text() for h in sorted(HERE.glob("*.h"))]  # included by the sources
+        key = hashlib.sha256("\0".join([source.read_text(), *headers, " ".join(flags), version,
                                         _cpu_id()]).encode()).hexdigest()[:16]
         path = cache_dir() / "kernels" / f"{name}-{key}.so"
         try:

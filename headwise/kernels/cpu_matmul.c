@@ -13,28 +13,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16.h"
+
 #define GROUP 32
 #define MAX_ROWS 8
 /* Below this many weights a call runs on one thread. */
 #define PARALLEL_MIN (1 << 16)
-
-static inline float from_bf16(uint16_t h)
-{
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-static inline uint16_t to_bf16(float f)  /* round to nearest even, NaN kept, as PyTorch casts */
-{
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u)
-        return (uint16_t)((u >> 16) | 0x40);
-    u += 0x7fff + ((u >> 16) & 1);
-    return (uint16_t)(u >> 16);
-}
 
 static inline void store(void *out, int64_t i, const int bf16, float y)
 {
