@@ -122,14 +122,12 @@ class CudaGraphDecode:
         """Whether a step replays a graph: decode rows only, within the largest bucket,
         block tables within the captured width."""
         return (self.enabled and not ctx.prefills and 0 < ctx.num_decode <= self.sizes[-1]
-                and ctx.sink_rope is None
                 and (self.tables is None or ctx.decode_block_tables.shape[1] <= self.tables.shape[1]))
 
     def _context(self, n: int) -> StepContext:
         """The context the graph of bucket n is captured under: views of the buffers."""
         return StepContext(positions=self.positions[:n], full_slots=self.slots[:n], block_size=self.block_size,
                            num_decode=n, decode_lens=self.lens[:n], decode_ring_slots=self.ring_slots[:n],
-                           decode_min_len=1, decode_ring_slot_list=[self.pad_ring] * n,
                            decode_block_tables=None if self.tables is None else self.tables[:n],
                            decode_ring_index={kind: t[:n] for kind, t in self.ring_index.items()})
 

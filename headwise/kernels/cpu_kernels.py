@@ -33,7 +33,7 @@ BASE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=gnu11"]
 # AVX-512 machines: GCC otherwise prefers 256-bit vectors
 X86_FLAGS = ["-mprefer-vector-width=512"] if platform.machine() in ("x86_64", "AMD64") else []
 FLAG_SETS = [BASE_FLAGS + X86_FLAGS + ["-fopenmp"], BASE_FLAGS + X86_FLAGS]  # tried in order
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # q's dtype -> the kernel's bf16 flag
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # a tensor's dtype -> the kernels' bf16 flag
 KV_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.int8: 2}  # cache values -> its type
 
 _i64, _ptr = ctypes.c_int64, ctypes.c_void_p

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from headwise.kernels.cpu_kernels import matmul_library
+from headwise.kernels.cpu_kernels import DTYPES, matmul_library
 
 GROUP = 32   # inputs per scale (a GGUF block)
 MAX_ROWS = 4  # calls with at most this many rows; from 8 rows the packed bf16 weight wins
@@ -16,7 +16,6 @@ ROWS_AT_ONCE = 8192  # weight rows exact_int8 examines at a time
 # Codes of the largest magnitude in a group, per GGUF format: Q8_0 (d = amax / 127), Q5_0
 # (d = max / -16, codes q - 16), Q4_0 (d = max / -8, codes q - 8)
 TOP_CODES = (127.0, 16.0, 8.0)
-_BF16 = {torch.float32: 0, torch.bfloat16: 1}
 
 
 def exact_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -56,7 +55,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
     (codes [N, K] int8, scales [N, K/32] float32, contiguous) transposed -> [M, N] in x's
     dtype; None where the kernel does not apply (no compiled library, another device or
     dtype, too many rows, inside a torch.compile trace)."""
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in _BF16 or x.dim() != 2
+    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2
             or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1):
         return None
     lib = matmul_library()
@@ -70,7 +69,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
                          "contiguous")
     out = torch.empty(M, N, dtype=x.dtype)
     rc = lib.int8_matmul(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), K, scales.data_ptr(), K // GROUP,
-                         N, out.data_ptr(), N, _BF16[x.dtype], torch.get_num_threads())
+                         N, out.data_ptr(), N, DTYPES[x.dtype], torch.get_num_threads())
     if rc:
         raise MemoryError("int8 matmul: out of memory") if rc == -2 else ValueError("int8 matmul: bad shape")
     return out

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from headwise.kernels.cpu_kernels import pointwise_library
-
-_BF16 = {torch.float32: 0, torch.bfloat16: 1}
+from headwise.kernels.cpu_kernels import DTYPES, pointwise_library
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -39,7 +37,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     """(s, s / rms(s) * weight) with s = x, or s = x + residual (a new tensor, rounded to
     x's dtype); None where the kernel does not apply."""
     lib = _lib(x, weight)
-    if lib is None or x.dtype not in _BF16 or weight.dtype not in _BF16 or weight.stride(0) != 1:
+    if lib is None or x.dtype not in DTYPES or weight.dtype not in DTYPES or weight.stride(0) != 1:
         return None
     xr = _rows(x)
     if xr is None or weight.shape != (xr.shape[1],):
@@ -57,8 +55,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     lib.rms_norm(xr.data_ptr(), xr.stride(0),
                  None if rr is None else rr.data_ptr(), 0 if rr is None else rr.stride(0),
                  None if sr is None else sr.data_ptr(), dim,
-                 out.data_ptr(), dim, weight.data_ptr(), _BF16[weight.dtype], n, dim, eps,
-                 _BF16[x.dtype], torch.get_num_threads())
+                 out.data_ptr(), dim, weight.data_ptr(), DTYPES[weight.dtype], n, dim, eps,
+                 DTYPES[x.dtype], torch.get_num_threads())
     return s, out
 
 
@@ -66,7 +64,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     """x [T, H, D] rotated by cos, sin [T, 1, D/2] (float32) into a new tensor (see
     layers.rotary.rotate); None where the kernel does not apply."""
     lib = _lib(x, cos, sin)
-    if (lib is None or x.dtype not in _BF16 or x.dim() != 3 or x.stride(-1) != 1
+    if (lib is None or x.dtype not in DTYPES or x.dim() != 3 or x.stride(-1) != 1
             or cos.dtype != torch.float32 or sin.dtype != torch.float32):
         return None
     T, H, D = x.shape
@@ -76,6 +74,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
         return None
     out = torch.empty(x.shape, dtype=x.dtype)
     lib.rotary(x.data_ptr(), x.stride(0), x.stride(1), out.data_ptr(), H * D, D,
-               cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, H, D, _BF16[x.dtype],
+               cos.data_ptr(), sin.data_ptr(), cos.stride(0), T, H, D, DTYPES[x.dtype],
                torch.get_num_threads())
     return out

@@ -245,7 +245,7 @@ class Linear(Int4Copy, nn.Module):
     def _int8(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [M, in] through the int8 copy (plus bias) -> [M, out], or None where it does
         not apply (no copy, more rows than kernels.int8_matmul.MAX_ROWS, no kernel)."""
-        if self.int8_codes is None or x.dim() != 2:
+        if self.int8_codes is None:
             return None
         y = int8_matmul(x, self.int8_codes, self.int8_scales)
         return y if y is None or self.bias is None else y + self.bias

@@ -66,7 +66,8 @@ class CausalLM(nn.Module):
         on the final device, after any edit of the plain weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
-            m.find_int4() or m.find_int8()
+            m.find_int4()
+            m.find_int8()  # where there is no 4-bit copy
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
