@@ -187,7 +187,14 @@ def test_gemma_270m_matches_transformers_on_the_same_gguf(gemma_f32):
 
 
 def test_gemma_270m_chunked_16k_prefill_equals_one_pass():
-    llm = LLM("gemma-3-270m", kv_cache_memory=1 << 30, max_num_batched_tokens=16384)  # bfloat16 here
+    # bfloat16 here; eager: prefill only, no decode step to compile
+    llm = LLM("gemma-3-270m", kv_cache_memory=1 << 30, max_num_batched_tokens=16384, enforce_eager=True)
+    # Decode reads every projection as its GGUF stores it: q/k/v/gate/up (Q5_0, Q8_0) and
+    # Q6_K ffn_down as int8 codes, attn_output and Q4_K ffn_down as 4-bit codes.
+    layers = llm.engine.model.model.layers
+    assert all(layer.self_attn.o_proj.int4 is not None for layer in layers)
+    assert all((layer.mlp.down_proj.int4 is None) != (layer.mlp.down_proj.int8_codes is None) for layer in layers)
+    assert all(layer.mlp.up_proj.int8_codes is not None for layer in layers)
     ids = _prose_ids(llm.tokenizer, 16384)
     one = llm.engine.prompt_logits(ids, chunk_size=16384, positions=[16383])
     chunked = llm.engine.prompt_logits(ids, chunk_size=2048, positions=[16383])

@@ -1,6 +1,7 @@
 """The int8 copies of exactly-int8 weights (kernels/int8_matmul.py, kernels/cpu_matmul.c):
-GGUF's symmetric block formats are recognised exactly and nothing else is, the kernel
-computes the dequantized weight's product, and layers use it for calls of a few rows only."""
+GGUF's symmetric block formats (scales per 32 or, for the K formats, per 16 inputs) are
+recognised exactly and nothing else is, the kernel computes the dequantized weight's
+product, and layers use it for calls of a few rows only."""
 from __future__ import annotations
 
 import numpy as np
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
+from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize, quantize
 
 from headwise.kernels import cpu_kernels, int8_matmul as K
@@ -19,6 +21,21 @@ def gguf_weight(n: int, k: int, qtype: Q, seed: int = 0) -> torch.Tensor:
     """A float32 weight [n, k] as llama.cpp's quantizer leaves it (quantized, dequantized)."""
     w = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     return torch.from_numpy(np.ascontiguousarray(dequantize(quantize(w, qtype), qtype)))
+
+
+def kquant_weight(n: int, k: int, qtype: Q, seed: int = 0) -> torch.Tensor:
+    """A float32 weight [n, k] as GGUF dequantizes random blocks of a K format (gguf has no
+    quantizer for them): random codes and sub-block scales, float16 super-block scales
+    of a realistic size."""
+    rng = np.random.default_rng(seed)
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (n * k // block, size), dtype=np.uint8)
+    # the float16 fields: d and dmin first (Q4_K, Q5_K) or d last (Q3_K, Q6_K)
+    at = [0, 2] if qtype in (Q.Q4_K, Q.Q5_K) else [size - 2]
+    for a in at:
+        raw[:, a:a + 2] = (rng.random(len(raw)) * 1e-3 + 1e-5).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    w = dequantize(raw.reshape(n, -1), qtype)
+    return torch.from_numpy(np.ascontiguousarray(w, dtype=np.float32))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +53,17 @@ def test_gguf_symmetric_blocks_are_exact_int8(qtype):
     assert torch.equal((codes.view(48, 8, 32).float() * scales[..., None]).view(48, 256), w)
 
 
+@pytest.mark.parametrize("qtype", [Q.Q6_K, Q.Q3_K])
+def test_gguf_k_formats_with_a_scale_per_16_are_exact_int8(qtype):
+    w = kquant_weight(32, 512, qtype)
+    codes, scales = K.exact_int8(w)
+    assert scales.shape == (32, 32)  # a scale per 16 inputs
+    assert torch.equal((codes.view(32, 32, 16).float() * scales[..., None]).view(32, 512), w)
+
+
 def test_other_weights_are_not_int8():
+    assert K.exact_int8(kquant_weight(32, 256, Q.Q4_K)) is None  # a minimum per sub-block
+    assert K.exact_int8(kquant_weight(32, 256, Q.Q5_K)) is None
     assert K.exact_int8(torch.randn(32, 64)) is None  # a float weight
     assert K.exact_int8(gguf_weight(32, 64, Q.Q4_1)) is None  # asymmetric blocks (4-bit copies take them)
     assert K.exact_int8(gguf_weight(32, 64, Q.Q8_0).bfloat16()) is None  # only while float32
@@ -58,6 +85,16 @@ def test_kernel_matches_the_dequantized_weight(compiled, dtype, tol, rows):
     assert ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_kernel_with_a_scale_per_16_inputs(compiled, dtype, tol):
+    w = kquant_weight(80, 512, Q.Q6_K, seed=1)
+    codes, scales = K.exact_int8(w)
+    x = torch.randn(3, 512).to(dtype)
+    y = K.int8_matmul(x, codes, scales)
+    ref = x.float() @ w.T
+    assert y.dtype == dtype and ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
 def test_kernel_refuses_what_it_does_not_take(compiled):
     codes, scales = K.exact_int8(gguf_weight(16, 64, Q.Q8_0))
     assert K.int8_matmul(torch.randn(K.MAX_ROWS + 1, 64), codes, scales) is None  # prefill-sized
@@ -66,6 +103,8 @@ def test_kernel_refuses_what_it_does_not_take(compiled):
         K.int8_matmul(torch.randn(2, 64), codes, scales.bfloat16())
     with pytest.raises(ValueError, match="codes"):
         K.int8_matmul(torch.randn(2, 32), codes, scales)
+    with pytest.raises(ValueError, match="codes"):  # a scale per 8 inputs
+        K.int8_matmul(torch.randn(2, 64), codes, scales.repeat_interleave(4, 1).contiguous())
 
 
 def _linear(weight: torch.Tensor, bias: bool = True) -> Linear:

@@ -75,6 +75,28 @@ def test_exact_int4_recovers_q4_1_and_rejects_other_weights():
     assert exact_int4(off) is None
 
 
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q4_0"])
+def test_exact_int4_recovers_groups_whose_codes_need_not_span_0_to_15(qtype):
+    """Q4_K's sub-blocks (a scale and a minimum per 32 inputs) and Q4_0's blocks: a group's
+    codes span fewer than 16 steps; recovered to float32 rounding, codes within 0..15."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf.quants import dequantize, quantize
+
+    from headwise.layers.linear import exact_int4
+    from tests.test_int8_matmul import kquant_weight
+
+    if qtype == "Q4_K":
+        w = kquant_weight(32, 512, Q.Q4_K)
+    else:
+        w = torch.from_numpy(dequantize(quantize(torch.randn(32, 512).numpy(), Q.Q4_0), Q.Q4_0).copy())
+    codes, scale, low = exact_int4(w)
+    assert codes.min() >= 0 and codes.max() <= 15
+    back = (codes.view(32, 16, 32) * scale[..., None] + low[..., None]).view(32, 512)
+    assert ((back - w).abs() <= 1e-6 * w.abs().max()).all()
+    assert exact_int4(kquant_weight(32, 512, Q.Q6_K)) is None  # 64 levels
+    assert exact_int4(kquant_weight(32, 512, Q.Q5_K)) is None  # 32 levels
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_copy_serves_small_calls_only(dtype):
     w = _q4_1_weight(48, 64, seed=1)[0]

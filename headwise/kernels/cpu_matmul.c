@@ -1,10 +1,11 @@
 /* Decode-sized matmul over a weight kept as int8 codes with one float32 scale per group
- * of 32 inputs (GGUF's Q8_0, Q5_0 and Q4_0 tensors are exactly that):
- *     y[m, n] = sum_i x[m, i] * (scale[n, i / 32] * code[n, i])
+ * of G = 32 or 16 inputs (GGUF's Q8_0, Q5_0 and Q4_0 tensors are exactly that with 32,
+ * Q6_K and Q3_K with 16):
+ *     y[m, n] = sum_i x[m, i] * (scale[n, i / G] * code[n, i])
  * for a few rows m (decode steps). Such a call reads every weight once, so it is bound
  * by memory bandwidth: int8 codes are half the bytes of a bfloat16 weight. Each weight is
- * dequantized in float32 (scale * code is exact there: a float16 scale times a code of at
- * most 8 bits) and multiplied into float32 accumulators, one per input lane, summed at
+ * dequantized in float32 (scale * code is exact there, as in GGUF's own dequantization:
+ * a float16 scale, times a 6-bit sub-block scale for the K formats, times a code) and multiplied into float32 accumulators, one per input lane, summed at
  * the end of the row; x is float32 or bfloat16 (bf16 = 1), y the same, rounded once.
  *
  * Built and loaded at run time by headwise/kernels/cpu_kernels.py, like cpu_decode.c.
@@ -15,7 +16,7 @@
 
 #include "bf16.h"
 
-#define GROUP 32
+#define GROUP 32  /* inputs per step of the loops below; a scale covers G = 32 or 16 */
 #define MAX_ROWS 8
 /* Below this many weights a call runs on one thread. */
 #define PARALLEL_MIN (1 << 16)
@@ -39,8 +40,8 @@ static inline void store(void *out, int64_t i, const int bf16, float y)
  * each specialisation, so the 2 * M accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows(const float *xf, const int64_t M, int64_t K,
                                                        const int8_t *codes, int64_t sc, const float *scales,
-                                                       int64_t ss, int64_t n0, int64_t n1, void *out,
-                                                       int64_t so, const int bf16)
+                                                       int64_t ss, const int64_t G, int64_t n0, int64_t n1,
+                                                       void *out, int64_t so, const int bf16)
 {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *c = codes + n * sc;
@@ -50,10 +51,9 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
             acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < K; k0 += GROUP) {
             _mm_prefetch((const char *)(c + PREFETCH_ROWS * sc + k0), _MM_HINT_T0);
-            const __m512 d = _mm512_set1_ps(s[k0 / GROUP]);
-            const __m512 w0 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            const __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(s[k0 / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(c + k0)))));
-            const __m512 w1 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            const __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(s[(k0 + 16) / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(c + k0 + 16)))));
             for (int64_t m = 0; m < M; m++) {
                 acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k0), acc[m][0]);
@@ -68,8 +68,8 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
 /* Portable version of the above: one float32 accumulator per input lane of a group. */
 static inline __attribute__((always_inline)) void rows(const float *xf, const int64_t M, int64_t K,
                                                        const int8_t *codes, int64_t sc, const float *scales,
-                                                       int64_t ss, int64_t n0, int64_t n1, void *out,
-                                                       int64_t so, const int bf16)
+                                                       int64_t ss, const int64_t G, int64_t n0, int64_t n1,
+                                                       void *out, int64_t so, const int bf16)
 {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *c = codes + n * sc;
@@ -78,10 +78,9 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
         memset(acc, 0, sizeof(acc));
         for (int64_t k0 = 0; k0 < K; k0 += GROUP) {
             float w[GROUP];
-            const float d = s[k0 / GROUP];
             #pragma omp simd
             for (int i = 0; i < GROUP; i++)
-                w[i] = d * (float)c[k0 + i];
+                w[i] = s[(k0 + i) / G] * (float)c[k0 + i];
             for (int64_t m = 0; m < M; m++) {
                 const float *xm = xf + m * K + k0;
                 #pragma omp simd
@@ -99,17 +98,23 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
 }
 #endif
 
-/* One specialisation per (M, bf16). */
+/* One specialisation per (M, G, bf16). */
+#define ROWS_G(m, g) \
+    if (bf16) \
+        rows(xf, m, K, codes, sc, scales, ss, g, n0, n1, out, so, 1); \
+    else \
+        rows(xf, m, K, codes, sc, scales, ss, g, n0, n1, out, so, 0);
 #define ROWS_CASE(m) \
     case m: \
-        if (bf16) \
-            rows(xf, m, K, codes, sc, scales, ss, n0, n1, out, so, 1); \
-        else \
-            rows(xf, m, K, codes, sc, scales, ss, n0, n1, out, so, 0); \
+        if (G == 32) { \
+            ROWS_G(m, 32) \
+        } else { \
+            ROWS_G(m, 16) \
+        } \
         break;
 
-static void rows_any(const float *xf, int64_t M, int64_t K, const int8_t *codes, int64_t sc,
-                     const float *scales, int64_t ss, int64_t n0, int64_t n1, void *out, int64_t so, int bf16)
+static void rows_any(const float *xf, int64_t M, int64_t K, const int8_t *codes, int64_t sc, const float *scales,
+                     int64_t ss, int64_t G, int64_t n0, int64_t n1, void *out, int64_t so, int bf16)
 {
     switch (M) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
@@ -117,13 +122,15 @@ static void rows_any(const float *xf, int64_t M, int64_t K, const int8_t *codes,
     }
 }
 
-/* x [M, K] (row stride sx, elements), codes [N, K] (row stride sc), scales [N, K / 32]
- * (row stride ss), out [M, N] (row stride so). Returns 0, or -1 when M or K is out of
- * range (M > MAX_ROWS, K not a multiple of 32) and -2 when out of memory. */
+/* x [M, K] (row stride sx, elements), codes [N, K] (row stride sc), scales [N, K / G]
+ * (row stride ss), out [M, N] (row stride so). Returns 0, or -1 when M, K or G is out of
+ * range (M > MAX_ROWS, K not a multiple of 32, G neither 32 nor 16) and -2 when out of
+ * memory. */
 int int8_matmul(const void *x, int64_t sx, int64_t M, int64_t K, const int8_t *codes, int64_t sc,
-                const float *scales, int64_t ss, int64_t N, void *out, int64_t so, int bf16, int threads)
+                const float *scales, int64_t ss, int64_t G, int64_t N, void *out, int64_t so, int bf16,
+                int threads)
 {
-    if (M < 1 || M > MAX_ROWS || K % GROUP)
+    if (M < 1 || M > MAX_ROWS || K % GROUP || (G != 32 && G != 16))
         return -1;
     float *xf = malloc(sizeof(float) * M * K);
     if (!xf)
@@ -137,7 +144,7 @@ int int8_matmul(const void *x, int64_t sx, int64_t M, int64_t K, const int8_t *c
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int64_t n1 = n0 + chunk < N ? n0 + chunk : N;
-        rows_any(xf, M, K, codes, sc, scales, ss, n0, n1, out, so, bf16);
+        rows_any(xf, M, K, codes, sc, scales, ss, G, n0, n1, out, so, bf16);
     }
     free(xf);
     return 0;

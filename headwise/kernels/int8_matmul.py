@@ -1,8 +1,9 @@
 """Decode-sized matmuls over a weight kept as int8 codes and one float32 scale per group
-of 32 inputs (kernels/cpu_matmul.c), where the weight is exactly that: GGUF's Q8_0, Q5_0
-and Q4_0 tensors, e.g. the tied token embedding both default models project onto the
-vocabulary with. Half the bytes of a bfloat16 weight; calls of a few rows read every
-weight once, so they run at memory bandwidth (benchmarks/bench_linear.py).
+of 32 or 16 inputs (kernels/cpu_matmul.c), where the weight is exactly that: GGUF's Q8_0,
+Q5_0 and Q4_0 tensors (groups of 32), e.g. the tied token embedding both default models
+project onto the vocabulary with, and its Q6_K and Q3_K ones (a scale per 16 inputs).
+Half the bytes of a bfloat16 weight or less; calls of a few rows read every weight once,
+so they run at memory bandwidth (benchmarks/bench_int8.py).
 """
 from __future__ import annotations
 
@@ -10,37 +11,53 @@ import torch
 
 from headwise.kernels.cpu_kernels import DTYPES, matmul_library
 
-GROUP = 32   # inputs per scale (a GGUF block)
 MAX_ROWS = 4  # calls with at most this many rows; from 8 rows the packed bf16 weight wins
 ROWS_AT_ONCE = 8192  # weight rows exact_int8 examines at a time
-# Codes of the largest magnitude in a group, per GGUF format: Q8_0 (d = amax / 127), Q5_0
-# (d = max / -16, codes q - 16), Q4_0 (d = max / -8, codes q - 8)
-TOP_CODES = (127.0, 16.0, 8.0)
+# (inputs per scale, the codes of largest magnitude a group may have), tried in order.
+# Groups of 32, per GGUF format: Q8_0 (d = amax / 127), Q5_0 (d = max / -16, codes
+# q - 16), Q4_0 (d = max / -8, codes q - 8). Groups of 16: Q6_K's sub-blocks (codes
+# q - 32, scale d * sc, so any top code up to 32) and Q3_K's (up to 4).
+GROUPS = ((32, (127.0, 16.0, 8.0)), (16, tuple(float(t) for t in range(32, 0, -1))))
 
 
 def exact_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """w [N, K] float32 as (codes [N, K] int8, scales [N, K/32] float32) with
-    w = scale * code in every group of 32 inputs exactly, if w is exactly that, else None."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % GROUP:
+    """w [N, K] float32 as (codes [N, K] int8, scales [N, K/G] float32) with
+    w = scale * code in every group of G inputs exactly (G = 32, else 16: see GROUPS), if
+    w is exactly that, else None."""
+    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu" or w.shape[1] % 32:
         return None
+    for group, tops in GROUPS:
+        found = _exact_groups(w, group, tops)
+        if found is not None:
+            return found
+    return None
+
+
+def _exact_groups(w: torch.Tensor, group: int, tops: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
     N, K = w.shape
     codes = torch.empty(N, K, dtype=torch.int8)
-    scales = torch.empty(N, K // GROUP)
+    scales = torch.empty(N, K // group)
     for r in range(0, N, ROWS_AT_ONCE):  # bounded temporaries (a vocabulary is 10^5 rows)
-        found = _exact_rows(w[r:r + ROWS_AT_ONCE].reshape(-1, K // GROUP, GROUP))
+        found = _exact_rows(w[r:r + ROWS_AT_ONCE].reshape(-1, K // group, group), tops)
         if found is None:
             return None
         codes[r:r + ROWS_AT_ONCE], scales[r:r + ROWS_AT_ONCE] = found[0].flatten(1), found[1]
     return codes, scales
 
 
-def _exact_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    # g [n, K/32, 32] -> (codes int8, scales [n, K/32]) or None
-    amax = g.abs().amax(-1)
+def _exact_rows(g: torch.Tensor, tops: tuple[float, ...]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # g [n, K/G, G] -> (codes int8, scales [n, K/G]) or None
+    a = g.abs()
+    amax = a.amax(-1)
+    # codes of at most max(tops) in magnitude: no group's largest value exceeds its
+    # smallest nonzero one that many times (rejects a float weight in one pass)
+    smallest = torch.where(a > 0, a, torch.inf).amin(-1)
+    if (amax > smallest * (max(tops) * (1 + 1e-6))).any():
+        return None
     scale = torch.zeros_like(amax)
     done = amax == 0  # an all-zero group: scale 0, codes 0
     tiny = torch.finfo(torch.float32).tiny
-    for top in TOP_CODES:
+    for top in tops:
         d = amax / top
         fits = ((g / d.clamp(min=tiny)[..., None]).round() * d[..., None] == g).all(-1) & ~done
         scale = torch.where(fits, d, scale)
@@ -52,9 +69,9 @@ def _exact_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] (float32 or bfloat16, M <= MAX_ROWS, unit inner stride) times the weight
-    (codes [N, K] int8, scales [N, K/32] float32, contiguous) transposed -> [M, N] in x's
-    dtype; None where the kernel does not apply (no compiled library, another device or
-    dtype, too many rows, inside a torch.compile trace)."""
+    (codes [N, K] int8, scales [N, K/G] float32 with G = 32 or 16, contiguous) transposed
+    -> [M, N] in x's dtype; None where the kernel does not apply (no compiled library,
+    another device or dtype, too many rows, inside a torch.compile trace)."""
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2
             or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1):
         return None
@@ -63,13 +80,15 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> t
         return None
     M, K = x.shape
     N = codes.shape[0]
-    if (codes.shape != (N, K) or scales.shape != (N, K // GROUP) or codes.dtype != torch.int8
+    groups = scales.shape[-1] if scales.dim() == 2 else 0
+    group = K // groups if groups and K % groups == 0 else 0
+    if (codes.shape != (N, K) or scales.shape[0] != N or group not in (16, 32) or codes.dtype != torch.int8
             or scales.dtype != torch.float32 or not codes.is_contiguous() or not scales.is_contiguous()):
-        raise ValueError(f"int8 weight must be codes [N, {K}] int8 and scales [N, {K // GROUP}] float32, "
-                         "contiguous")
+        raise ValueError(f"int8 weight must be codes [N, {K}] int8 and scales [N, {K // 32}] or "
+                         f"[N, {K // 16}] float32, contiguous")
     out = torch.empty(M, N, dtype=x.dtype)
-    rc = lib.int8_matmul(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), K, scales.data_ptr(), K // GROUP,
-                         N, out.data_ptr(), N, DTYPES[x.dtype], torch.get_num_threads())
+    rc = lib.int8_matmul(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), K, scales.data_ptr(), groups,
+                         group, N, out.data_ptr(), N, DTYPES[x.dtype], torch.get_num_threads())
     if rc:
         raise MemoryError("int8 matmul: out of memory") if rc == -2 else ValueError("int8 matmul: bad shape")
     return out

@@ -1,21 +1,21 @@
 """Linear layer whose weight can be prepacked for oneDNN on the CPU, and whose weight,
-where it is exactly 4-bit (else exactly int8 per group of 32), is also kept so for decode.
+where it is exactly 4-bit (else exactly int8 per group of 32 or 16), is also kept so for decode.
 
 Plain F.linear on the CPU reorders the weight into oneDNN's blocked layout on every call.
 `pack()` does it once. The packed kernel also applies SiLU and a following elementwise
 multiply inside the matmul, so the MLP makes no separate elementwise passes.
 
 Decode at small batch reads every weight once per step, so it is bound by memory
-bandwidth. A GGUF Q4_1 tensor is 4-bit codes with a scale and an offset per group of 32
-inputs; `find_int4()` recovers them exactly from the loaded float32 weight, and calls with
-at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
-(bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES).
-A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0, Q5_0, Q4_0)
-keeps those for calls of at most 4 rows instead (kernels.int8_matmul: half the bytes of
-bfloat16), chosen inside the packed call. Larger calls (prefill, big batches) use the
-packed dense weight. Under torch.compile a packed call is an opaque custom op
-(headwise::packed_linear): Inductor lowers oneDNN's packed matmul only for weights it
-packed itself.
+bandwidth. A GGUF Q4_1, Q4_0 or Q4_K tensor is 4-bit codes with a scale and an offset per
+group of 32 inputs; `find_int4()` recovers them exactly from the loaded float32 weight,
+and calls with at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter
+of the bytes (bfloat16 activations only: the kernel is slow with float32 ones, see
+INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
+Q5_0) or per 16 (Q6_K, Q3_K) keeps those for calls of at most 4 rows instead
+(kernels.int8_matmul: half the bytes of bfloat16 or less), chosen inside the packed call.
+Larger calls (prefill, big batches) use the packed dense weight. Under torch.compile a
+packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
+packed matmul only for weights it packed itself.
 
 Measured by benchmarks/bench_linear.py on this project's 2-core AVX512-BF16 machine
 (bfloat16, SmolLM2's 210 projections): at 1 row plain 22.6 ms, packed 13.0, 4-bit 5.1;
@@ -36,8 +36,9 @@ from headwise.layers import opaque
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
 # decode-sized calls still run 1.7-1.9x faster than plain F.linear with it (bench_linear).
 PACK_ROWS = 1024
-INT4_GROUP = 32     # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks)
+INT4_GROUP = 32     # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks, Q4_K sub-blocks)
 INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
+INT4_ROWS_AT_ONCE = 4096  # weight rows exact_int4 examines at a time
 # Activation dtypes the 4-bit copy is kept for. With float32 activations PyTorch's int4
 # CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
 # float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
@@ -70,22 +71,47 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """w [N, K] float32 as codes [N, K] (int32, 0..15), scale and low [N, K/32] with
-    w = low + code * scale in every group of 32 inputs, if w is exactly that (each group's
-    minimum coded 0 and maximum 15, as llama.cpp's Q4_1 quantizer does), else None."""
+    w = low + code * scale in every group of 32 inputs, if w is exactly that, else None.
+
+    Each group's minimum is coded 0 (low). llama.cpp's Q4_1 quantizer also codes its
+    maximum 15; Q4_K's sub-blocks (scale and minimum per 32 inputs) and Q4_0's blocks need
+    not, so a group whose codes span r < 15 steps is found by trying r = 15, 14, ..., 1 on
+    its range (a group of one value: scale 0)."""
     if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
         return None
     N, K = w.shape
     if N % 16 or K % INT4_GROUP or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None  # the int4 CPU kernel packs output rows by 16
-    g = w.view(N, K // INT4_GROUP, INT4_GROUP)
-    low, high = g.amin(-1), g.amax(-1)
-    scale = (high - low) / 15
-    codes = ((g - low[..., None]) / scale.clamp(min=1e-30)[..., None]).round_().clamp_(0, 15)
-    err = (codes * scale[..., None] + low[..., None] - g).abs()
-    # float32 rounding of low + code * scale, nothing more
-    if (err > 1e-6 * (low.abs() + high.abs())[..., None] + 1e-30).any():
-        return None
-    return codes.to(torch.int32).view(N, K), scale, low
+    codes = torch.empty(N, K, dtype=torch.int32)
+    scale, low = torch.empty(N, K // INT4_GROUP), torch.empty(N, K // INT4_GROUP)
+    for r in range(0, N, INT4_ROWS_AT_ONCE):  # bounded temporaries (a vocabulary is 10^5 rows)
+        found = _exact_int4_rows(w[r:r + INT4_ROWS_AT_ONCE].reshape(-1, K // INT4_GROUP, INT4_GROUP))
+        if found is None:
+            return None
+        codes[r:r + INT4_ROWS_AT_ONCE], scale[r:r + INT4_ROWS_AT_ONCE], low[r:r + INT4_ROWS_AT_ONCE] = \
+            found[0].flatten(1), found[1], found[2]
+    return codes, scale, low
+
+
+def _exact_int4_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    # g [n, K/32, 32] -> (codes int32, scale, low [n, K/32]) or None
+    srt = g.sort(-1).values
+    if ((srt[..., 1:] > srt[..., :-1]).sum(-1) > 15).any():
+        return None  # a group of more than 16 distinct values (int8 formats, float weights)
+    low, high = srt[..., 0], srt[..., -1]
+    tol = 1e-6 * (low.abs() + high.abs())[..., None] + 1e-30  # float32 rounding of low + code * scale
+    scale = torch.zeros_like(low)
+    done = high == low
+    for steps in range(15, 0, -1):
+        d = (high - low) / steps
+        codes = ((g - low[..., None]) / d.clamp(min=1e-30)[..., None]).round_()
+        fits = ((codes * d[..., None] + low[..., None] - g).abs() <= tol).all(-1) & ~done
+        scale = torch.where(fits, d, scale)
+        done |= fits
+        if bool(done.all()):
+            codes = ((g - low[..., None]) / scale.clamp(min=1e-30)[..., None]).round_().clamp_(0, 15)
+            return codes.to(torch.int32), scale, low
+    return None
 
 
 def activate(y: torch.Tensor, act: str) -> torch.Tensor:
@@ -157,7 +183,7 @@ class Linear(Int4Copy, nn.Module):
         # the scales to the activation dtype, and only a packed layer uses it.
         Int4Copy.init(self)
         # int8 copy for calls of a few rows, where the weight is exactly int8 codes times a
-        # scale per 32 inputs and not 4-bit: (codes [out, in] int8, scales [out, in/32]).
+        # scale per 32 (or 16) inputs and not 4-bit: (codes [out, in] int8, scales [out, in/32 or in/16]).
         self.register_buffer("int8_codes", None, persistent=False)
         self.register_buffer("int8_scales", None, persistent=False)
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
@@ -176,7 +202,7 @@ class Linear(Int4Copy, nn.Module):
 
     def find_int8(self) -> bool:
         """Keep an int8 copy of the weight if it has no 4-bit one and is exactly int8 codes
-        times a scale per 32 inputs (see kernels.int8_matmul.exact_int8); call while the
+        times a scale per 32 or 16 inputs (see kernels.int8_matmul.exact_int8); call while the
         weight is still float32."""
         found = None if self.weight is None or self.int4 is not None else exact_int8(self.weight.detach())
         if found is None:
