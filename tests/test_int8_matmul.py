@@ -157,3 +157,33 @@ def test_model_keeps_float32_scales(compiled, tiny_models):
     x = torch.randn(2, w.shape[1]).bfloat16()
     ref = x.float() @ w.T
     assert ((lm(x).float() - ref).abs().max() / ref.abs().max()).item() < 1e-2
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_an_int8_token_embedding_is_looked_up_from_its_codes(tiny_models, tokenizer_dir, tmp_path, tied):
+    """An exactly-int8 embedding drops its dense weight under bfloat16 (a tied one shares
+    the vocabulary projection's codes, an untied one finds its own); every row it returns
+    is the one the dense bfloat16 weight held. Under float32 the dense weight stays."""
+    from headwise.weights.loader import load_model
+    from tests.conftest import make_tiny_model
+
+    path = make_tiny_model("llama", tmp_path / "tied", tokenizer_dir, tie_word_embeddings=True) if tied \
+        else tiny_models["llama"]
+    for dtype in (torch.bfloat16, torch.float32):
+        model, _ = load_model(str(path), dtype=torch.float32)
+        embed = model.model.embed_tokens
+        w = gguf_weight(*embed.weight.shape, Q.Q8_0)
+        embed.weight.data.copy_(w)  # tied: the projection's weight too
+        model.prepare_weights(dtype)
+        ids = torch.tensor([0, 5, 5, embed.num_embeddings - 1])
+        rows = embed(ids)
+        assert rows.dtype == dtype and torch.equal(rows, w.to(dtype)[ids])
+        if dtype == torch.float32:
+            assert embed.weight is not None and embed.int8_codes is None
+            continue
+        assert embed.weight is None and embed.int8_scales.dtype == torch.float32
+        if tied:  # (the untied projection's random weight has no copy)
+            assert embed.int8_codes.data_ptr() == model.lm_head.int8_codes.data_ptr()
+    model, _ = load_model(str(path), dtype=torch.float32)  # a float weight: nothing to find
+    model.prepare_weights(torch.bfloat16)
+    assert model.model.embed_tokens.weight is not None and model.model.embed_tokens.int8_codes is None

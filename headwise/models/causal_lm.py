@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
-from headwise.layers.linear import FusedInt4, Linear
+from headwise.layers.embedding import Embedding
+from headwise.layers.linear import INT8_DTYPES, FusedInt4, Linear
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig
@@ -21,7 +22,7 @@ LAYER_CLASSES = {"gemma3": Gemma3DecoderLayer}
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = Embedding(cfg.vocab_size, cfg.hidden_size)
         layer_cls = LAYER_CLASSES.get(cfg.architecture, DecoderLayer)
         self.layers = nn.ModuleList(layer_cls(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, upcast=cfg.sandwich_norms)
@@ -62,16 +63,19 @@ class CausalLM(nn.Module):
     def prepare_weights(self, dtype: torch.dtype) -> None:
         """Cast to the compute dtype and prepack the linear weights for the CPU (see
         layers.linear). 4-bit weights (else int8 ones) are recognised first, while
-        float32 holds them exactly; float32 norms keep their float32 weights. Call once,
-        on the final device, after any edit of the plain weights."""
+        float32 holds them exactly; float32 norms keep their float32 weights; an exactly
+        int8 token embedding is then looked up from its codes (layers.embedding). Call
+        once, on the final device, after any edit of the plain weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in linears:
             m.find_int4()
             m.find_int8()  # where there is no 4-bit copy
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
+        embed = self.model.embed_tokens
+        embed.find_int8(self.lm_head if self.config.tie_word_embeddings else None)
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
-        scales = {m: m.int8_scales for m in linears if m.int8_scales is not None}  # float32: exact
+        scales = {m: m.int8_scales for m in linears + [embed] if m.int8_scales is not None}  # float32: exact
         self.to(dtype)
         for m, w in kept.items():
             m.weight.data = w
@@ -82,6 +86,7 @@ class CausalLM(nn.Module):
                 m.cast(dtype)
         for m in linears:
             m.pack()
+        embed.compact(dtype, INT8_DTYPES)
 
     def attention_layers(self) -> list[HeadSplitAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]

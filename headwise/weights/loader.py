@@ -78,7 +78,7 @@ def load_model(model: str | None, dtype: torch.dtype,
     with torch.device("meta"):
         model_ = CausalLM(cfg)
     model_ = model_.to_empty(device="cpu")
-    missing, unexpected = model_.load_state_dict(state, strict=False)
+    missing, unexpected = model_.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
         raise UnsupportedModelError(

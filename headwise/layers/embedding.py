@@ -1,0 +1,73 @@
+"""Token embedding that can look rows up from int8 codes instead of a dense weight.
+
+Both default models embed tokens with a GGUF Q8_0 table (int8 codes, a scale per 32
+inputs) that their vocabulary projection shares (tied). The projection keeps those codes
+for decode (layers.linear), so a dense bfloat16 copy kept for lookups only is the largest
+tensor in memory (Gemma 3 270M: 262,144 x 640, 320 MiB). A row looked up from the codes,
+bf16(scale * code), is exactly the row the dense bfloat16 weight held (the dense weight
+is bf16 of the same float32 product), so the dense weight can go.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from headwise.kernels.int8_matmul import exact_int8
+
+
+class Embedding(nn.Module):
+    """nn.Embedding's lookup and parameter name (checkpoints load as is); after
+    compact() a weight that is exactly int8 is read from its codes."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+        nn.init.normal_(self.weight)  # nn.Embedding's initialisation (random-weight tests)
+        # (codes [V, dim] int8, scales [V, dim / G] float32), G = 32 or 16 inputs per scale
+        self.register_buffer("int8_codes", None, persistent=False)
+        self.register_buffer("int8_scales", None, persistent=False)
+        self.dtype = self.weight.dtype  # of the rows a lookup returns
+
+    def find_int8(self, tied=None) -> bool:
+        """Keep the weight as int8 codes if it is exactly that: a tied projection's int8
+        copy (shared, not copied) or exact_int8 of the weight itself. Call while the weight
+        is float32, before the model is cast."""
+        if self.weight is None:
+            return False
+        if tied is not None and tied.int8_codes is not None:
+            self.int8_codes, self.int8_scales = tied.int8_codes, tied.int8_scales
+        else:
+            found = exact_int8(self.weight.detach())
+            if found is None:
+                return False
+            self.int8_codes, self.int8_scales = found
+        return True
+
+    def compact(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> bool:
+        """Drop the dense weight where there are codes and rows are looked up in one of
+        `dtypes` (where the tied projection keeps its copy: see layers.linear.INT8_DTYPES);
+        else drop the codes. After the model's cast; the scales must be float32 again."""
+        self.dtype = dtype
+        if (self.weight is None or self.int8_codes is None or dtype not in dtypes
+                or self.weight.device.type != "cpu"):
+            if self.weight is not None:
+                self.int8_codes = self.int8_scales = None
+            return self.weight is None
+        if self.int8_scales.dtype != torch.float32:
+            raise ValueError("int8 scales must stay float32 (exact) through the model's cast")
+        self.weight = None
+        return True
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        # ids [T] -> [T, dim]
+        if self.weight is not None:
+            return F.embedding(ids, self.weight)
+        codes, scales = self.int8_codes[ids], self.int8_scales[ids]  # [T, dim], [T, dim / G]
+        groups = scales.shape[-1]
+        rows = codes.view(*ids.shape, groups, -1).float() * scales.unsqueeze(-1)
+        return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, int8={self.weight is None}"
