@@ -2,7 +2,7 @@
 at decode-sized row counts: per model and kind of copy, one pass over every linear that
 keeps one. Kinds: int8 codes with a scale per 32 inputs (kernels/int8_matmul.py: Q8_0,
 Q5_0, e.g. both default models' tied vocabulary projection), int8 with a scale per 16
-(Q6_K, Q3_K), and 4-bit codes (PyTorch's int4 CPU kernel: Q4_1, Q4_0, Q4_K) of the
+(Q6_K, Q3_K), int8 with a scale and a minimum per 32 (Q5_1, Q5_K), and 4-bit codes (PyTorch's int4 CPU kernel: Q4_1, Q4_0, Q4_K) of the
 layers not fused with others (FusedInt4's q/k/v and gate/up are in bench_linear.py).
 
     python benchmarks/bench_int8.py [--models SmolLM2-135M-Instruct,gemma-3-270m] [--rows 1,2,4,8] [--runs 7]
@@ -26,7 +26,8 @@ def copy_kind(m) -> str | None:
     if m.int4 is not None:
         return "4-bit"
     if m.int8_codes is not None:
-        return f"int8, scale per {m.in_features // m.int8_scales.shape[1]}"
+        minimum = "" if m.int8_lows is None else " and minimum"
+        return f"int8, scale{minimum} per {m.in_features // m.int8_scales.shape[1]}"
     return None
 
 
@@ -47,7 +48,8 @@ def linears_by_copy(model_name: str) -> dict[str, list]:
 def copy_mib(m) -> float:
     if m.int4 is not None:
         return sum(t.numel() * t.element_size() for t in m.int4) / 2**20
-    return (m.int8_codes.numel() + m.int8_scales.numel() * 4) / 2**20
+    lows = 0 if m.int8_lows is None else m.int8_lows.numel() * 4
+    return (m.int8_codes.numel() + m.int8_scales.numel() * 4 + lows) / 2**20
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -81,7 +83,8 @@ def main(argv: list[str] | None = None) -> int:
                 def copy():
                     for m in lins:
                         x = xs[m.in_features]
-                        m.int4_mm(x) if m.int4 is not None else int8_matmul(x, m.int8_codes, m.int8_scales)
+                        m.int4_mm(x) if m.int4 is not None else int8_matmul(x, m.int8_codes, m.int8_scales,
+                                                                            m.int8_lows)
 
                 a = time_pass(packed, args.runs)
                 b = time_pass(copy, args.runs) if rows <= limit else None

@@ -258,6 +258,7 @@ def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatc
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 8e-3)):  # cpu_matmul.c's portable loop
         test_int8_matmul.test_kernel_matches_the_dequantized_weight(None, dtype, tol, 4)
         test_int8_matmul.test_kernel_with_a_scale_per_16_inputs(None, dtype, tol)
+        test_int8_matmul.test_kernel_with_a_minimum_per_group(None, dtype, tol)
 
 
 @pytest.mark.parametrize("kv_dtype", [{"full": "int8", "window": "float16"}, {"full": "float16", "window": "int8"}])

@@ -1,7 +1,8 @@
 """The int8 copies of exactly-int8 weights (kernels/int8_matmul.py, kernels/cpu_matmul.c):
 GGUF's symmetric block formats (scales per 32 or, for the K formats, per 16 inputs) are
-recognised exactly and nothing else is, the kernel computes the dequantized weight's
-product, and layers use it for calls of a few rows only."""
+recognised exactly, its 5-bit formats with a minimum per 32 inputs to float32 rounding,
+and nothing else is; the kernel computes the dequantized weight's product, and layers use
+it for calls of a few rows only."""
 from __future__ import annotations
 
 import numpy as np
@@ -73,6 +74,25 @@ def test_other_weights_are_not_int8():
     assert K.exact_int8(w) is None
 
 
+def affine_weight(qtype: Q, n: int = 32, k: int = 512, seed: int = 0) -> torch.Tensor:
+    """Q5_1 through gguf's own quantizer, Q5_K as random blocks (gguf has no K quantizer)."""
+    if qtype == Q.Q5_K:
+        return kquant_weight(n, k, qtype, seed)
+    return gguf_weight(n, k, qtype, seed)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q5_1, Q.Q5_K])
+def test_5_bit_formats_with_a_minimum_get_an_int8_copy(qtype):
+    w = affine_weight(qtype)
+    assert K.exact_int8(w) is None  # not symmetric
+    codes, scales, lows = K.int8_copy(w)
+    assert codes.dtype == torch.int8 and codes.min() >= 0 and codes.max() <= 31
+    back = (codes.view(32, 16, 32).float() * scales[..., None] + lows[..., None]).view(32, 512)
+    assert ((back - w).abs() <= 1e-6 * w.abs().max()).all()
+    assert K.int8_copy(torch.randn(32, 512)) is None
+    assert K.int8_copy(kquant_weight(32, 512, Q.Q6_K))[2] is None  # symmetric: no minimums
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
 @pytest.mark.parametrize("rows", [1, 3, 4])
 def test_kernel_matches_the_dequantized_weight(compiled, dtype, tol, rows):
@@ -95,6 +115,17 @@ def test_kernel_with_a_scale_per_16_inputs(compiled, dtype, tol):
     assert y.dtype == dtype and ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_kernel_with_a_minimum_per_group(compiled, dtype, tol):
+    w = affine_weight(Q.Q5_K, n=72, seed=2)
+    codes, scales, lows = K.int8_copy(w)
+    for rows in (1, 4):
+        x = torch.randn(rows, 512).to(dtype)
+        y = K.int8_matmul(x, codes, scales, lows)
+        ref = x.float() @ w.T
+        assert y.dtype == dtype and ((y.float() - ref).abs().max() / ref.abs().max()).item() < tol
+
+
 def test_kernel_refuses_what_it_does_not_take(compiled):
     codes, scales = K.exact_int8(gguf_weight(16, 64, Q.Q8_0))
     assert K.int8_matmul(torch.randn(K.MAX_ROWS + 1, 64), codes, scales) is None  # prefill-sized
@@ -105,6 +136,8 @@ def test_kernel_refuses_what_it_does_not_take(compiled):
         K.int8_matmul(torch.randn(2, 32), codes, scales)
     with pytest.raises(ValueError, match="codes"):  # a scale per 8 inputs
         K.int8_matmul(torch.randn(2, 64), codes, scales.repeat_interleave(4, 1).contiguous())
+    with pytest.raises(ValueError, match="lows"):
+        K.int8_matmul(torch.randn(2, 64), codes, scales, scales[:, :1].contiguous())
 
 
 def _linear(weight: torch.Tensor, bias: bool = True) -> Linear:
@@ -138,6 +171,8 @@ def test_linear_keeps_an_int8_copy_for_a_few_rows_in_bfloat16(compiled):
 def test_linear_int8_copy_policy():
     q4 = _linear(_q4_1_weight(32, 64, seed=0)[0])
     assert q4.find_int4() and not q4.find_int8()  # a 4-bit copy is smaller still
+    q5 = _linear(affine_weight(Q.Q5_1))
+    assert not q5.find_int4() and q5.find_int8() and q5.int8_lows is not None
     assert not _linear(torch.randn(32, 64)).find_int8()
     f32 = _linear(gguf_weight(32, 64, Q.Q8_0))
     assert f32.find_int8() and f32.pack() and f32.int8_codes is None  # float32: the dense weight
@@ -187,3 +222,21 @@ def test_an_int8_token_embedding_is_looked_up_from_its_codes(tiny_models, tokeni
     model, _ = load_model(str(path), dtype=torch.float32)  # a float weight: nothing to find
     model.prepare_weights(torch.bfloat16)
     assert model.model.embed_tokens.weight is not None and model.model.embed_tokens.int8_codes is None
+
+
+def test_an_embedding_with_minimums_is_looked_up_from_its_codes(tokenizer_dir, tmp_path):
+    """A tied Q5_1 table: the vocabulary projection keeps codes, scales and minimums, the
+    embedding shares them and returns the dense bfloat16 rows (float32 rounding apart)."""
+    from headwise.weights.loader import load_model
+    from tests.conftest import make_tiny_model
+
+    model, _ = load_model(str(make_tiny_model("llama", tmp_path / "tied", tokenizer_dir, tie_word_embeddings=True)),
+                          dtype=torch.float32)
+    embed = model.model.embed_tokens
+    w = gguf_weight(*embed.weight.shape, Q.Q5_1)
+    embed.weight.data.copy_(w)
+    model.prepare_weights(torch.bfloat16)
+    assert embed.weight is None and embed.int8_lows is model.lm_head.int8_lows
+    assert embed.int8_lows.dtype == torch.float32
+    ids = torch.arange(embed.num_embeddings)
+    assert torch.allclose(embed(ids).float(), w.bfloat16().float(), rtol=2 ** -7, atol=0)

@@ -141,8 +141,8 @@ def matmul_library() -> ctypes.CDLL | None:
     """The int8-weight matmul of decode-sized calls (cpu_matmul.c), or None."""
     lib = _load("cpu_matmul")
     if lib is not None:
-        lib.int8_matmul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _i64, _i64, _i64, _ptr,
-                                    _i64, ctypes.c_int, ctypes.c_int]
+        lib.int8_matmul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
+                                    _ptr, _i64, ctypes.c_int, ctypes.c_int]
         lib.int8_matmul.restype = ctypes.c_int
     return lib
 

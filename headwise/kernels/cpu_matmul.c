@@ -1,7 +1,7 @@
 /* Decode-sized matmul over a weight kept as int8 codes with one float32 scale per group
  * of G = 32 or 16 inputs (GGUF's Q8_0, Q5_0 and Q4_0 tensors are exactly that with 32,
- * Q6_K and Q3_K with 16):
- *     y[m, n] = sum_i x[m, i] * (scale[n, i / G] * code[n, i])
+ * Q6_K and Q3_K with 16), and optionally a float32 minimum per group (Q5_1, Q5_K):
+ *     y[m, n] = sum_i x[m, i] * (scale[n, i / G] * code[n, i] + low[n, i / G])
  * for a few rows m (decode steps). Such a call reads every weight once, so it is bound
  * by memory bandwidth: int8 codes are half the bytes of a bfloat16 weight. Each weight is
  * dequantized in float32 (scale * code is exact there, as in GGUF's own dequantization:
@@ -40,21 +40,27 @@ static inline void store(void *out, int64_t i, const int bf16, float y)
  * each specialisation, so the 2 * M accumulators stay in registers. */
 static inline __attribute__((always_inline)) void rows(const float *xf, const int64_t M, int64_t K,
                                                        const int8_t *codes, int64_t sc, const float *scales,
-                                                       int64_t ss, const int64_t G, int64_t n0, int64_t n1,
-                                                       void *out, int64_t so, const int bf16)
+                                                       const float *lows, int64_t ss, const int64_t G,
+                                                       int64_t n0, int64_t n1, void *out, int64_t so,
+                                                       const int bf16)
 {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *c = codes + n * sc;
         const float *s = scales + n * ss;
+        const float *lo = lows ? lows + n * ss : NULL;
         __m512 acc[MAX_ROWS][2];
         for (int64_t m = 0; m < M; m++)
             acc[m][0] = acc[m][1] = _mm512_setzero_ps();
         for (int64_t k0 = 0; k0 < K; k0 += GROUP) {
             _mm_prefetch((const char *)(c + PREFETCH_ROWS * sc + k0), _MM_HINT_T0);
-            const __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(s[k0 / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            __m512 w0 = _mm512_mul_ps(_mm512_set1_ps(s[k0 / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(c + k0)))));
-            const __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(s[(k0 + 16) / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+            __m512 w1 = _mm512_mul_ps(_mm512_set1_ps(s[(k0 + 16) / G]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
                 _mm_loadu_si128((const __m128i *)(c + k0 + 16)))));
+            if (lo) {
+                w0 = _mm512_add_ps(w0, _mm512_set1_ps(lo[k0 / G]));
+                w1 = _mm512_add_ps(w1, _mm512_set1_ps(lo[(k0 + 16) / G]));
+            }
             for (int64_t m = 0; m < M; m++) {
                 acc[m][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xf + m * K + k0), acc[m][0]);
                 acc[m][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xf + m * K + k0 + 16), acc[m][1]);
@@ -68,19 +74,21 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
 /* Portable version of the above: one float32 accumulator per input lane of a group. */
 static inline __attribute__((always_inline)) void rows(const float *xf, const int64_t M, int64_t K,
                                                        const int8_t *codes, int64_t sc, const float *scales,
-                                                       int64_t ss, const int64_t G, int64_t n0, int64_t n1,
-                                                       void *out, int64_t so, const int bf16)
+                                                       const float *lows, int64_t ss, const int64_t G,
+                                                       int64_t n0, int64_t n1, void *out, int64_t so,
+                                                       const int bf16)
 {
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *c = codes + n * sc;
         const float *s = scales + n * ss;
+        const float *lo = lows ? lows + n * ss : NULL;
         float acc[MAX_ROWS][GROUP];
         memset(acc, 0, sizeof(acc));
         for (int64_t k0 = 0; k0 < K; k0 += GROUP) {
             float w[GROUP];
             #pragma omp simd
             for (int i = 0; i < GROUP; i++)
-                w[i] = s[(k0 + i) / G] * (float)c[k0 + i];
+                w[i] = s[(k0 + i) / G] * (float)c[k0 + i] + (lo ? lo[(k0 + i) / G] : 0.f);
             for (int64_t m = 0; m < M; m++) {
                 const float *xm = xf + m * K + k0;
                 #pragma omp simd
@@ -101,9 +109,9 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
 /* One specialisation per (M, G, bf16). */
 #define ROWS_G(m, g) \
     if (bf16) \
-        rows(xf, m, K, codes, sc, scales, ss, g, n0, n1, out, so, 1); \
+        rows(xf, m, K, codes, sc, scales, lows, ss, g, n0, n1, out, so, 1); \
     else \
-        rows(xf, m, K, codes, sc, scales, ss, g, n0, n1, out, so, 0);
+        rows(xf, m, K, codes, sc, scales, lows, ss, g, n0, n1, out, so, 0);
 #define ROWS_CASE(m) \
     case m: \
         if (G == 32) { \
@@ -114,7 +122,8 @@ static inline __attribute__((always_inline)) void rows(const float *xf, const in
         break;
 
 static void rows_any(const float *xf, int64_t M, int64_t K, const int8_t *codes, int64_t sc, const float *scales,
-                     int64_t ss, int64_t G, int64_t n0, int64_t n1, void *out, int64_t so, int bf16)
+                     const float *lows, int64_t ss, int64_t G, int64_t n0, int64_t n1, void *out, int64_t so,
+                     int bf16)
 {
     switch (M) {
         ROWS_CASE(1) ROWS_CASE(2) ROWS_CASE(3) ROWS_CASE(4)
@@ -122,13 +131,13 @@ static void rows_any(const float *xf, int64_t M, int64_t K, const int8_t *codes,
     }
 }
 
-/* x [M, K] (row stride sx, elements), codes [N, K] (row stride sc), scales [N, K / G]
- * (row stride ss), out [M, N] (row stride so). Returns 0, or -1 when M, K or G is out of
- * range (M > MAX_ROWS, K not a multiple of 32, G neither 32 nor 16) and -2 when out of
- * memory. */
+/* x [M, K] (row stride sx, elements), codes [N, K] (row stride sc), scales and lows
+ * [N, K / G] (row stride ss; lows may be NULL), out [M, N] (row stride so). Returns 0, or
+ * -1 when M, K or G is out of range (M > MAX_ROWS, K not a multiple of 32, G neither 32
+ * nor 16) and -2 when out of memory. */
 int int8_matmul(const void *x, int64_t sx, int64_t M, int64_t K, const int8_t *codes, int64_t sc,
-                const float *scales, int64_t ss, int64_t G, int64_t N, void *out, int64_t so, int bf16,
-                int threads)
+                const float *scales, const float *lows, int64_t ss, int64_t G, int64_t N, void *out,
+                int64_t so, int bf16, int threads)
 {
     if (M < 1 || M > MAX_ROWS || K % GROUP || (G != 32 && G != 16))
         return -1;
@@ -144,7 +153,7 @@ int int8_matmul(const void *x, int64_t sx, int64_t M, int64_t K, const int8_t *c
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t n0 = 0; n0 < N; n0 += chunk) {
         int64_t n1 = n0 + chunk < N ? n0 + chunk : N;
-        rows_any(xf, M, K, codes, sc, scales, ss, G, n0, n1, out, so, bf16);
+        rows_any(xf, M, K, codes, sc, scales, lows, ss, G, n0, n1, out, so, bf16);
     }
     free(xf);
     return 0;

@@ -5,7 +5,8 @@ inputs) that their vocabulary projection shares (tied). The projection keeps tho
 for decode (layers.linear), so a dense bfloat16 copy kept for lookups only is the largest
 tensor in memory (Gemma 3 270M: 262,144 x 640, 320 MiB). A row looked up from the codes,
 bf16(scale * code), is exactly the row the dense bfloat16 weight held (the dense weight
-is bf16 of the same float32 product), so the dense weight can go.
+is bf16 of the same float32 product), so the dense weight can go. (A table with a
+minimum per group, Q5_1 or Q5_K, is reproduced to float32 rounding before that cast.)
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwise.kernels.int8_matmul import exact_int8
+from headwise.kernels.int8_matmul import int8_copy
 
 
 class Embedding(nn.Module):
@@ -25,24 +26,26 @@ class Embedding(nn.Module):
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
         nn.init.normal_(self.weight)  # nn.Embedding's initialisation (random-weight tests)
-        # (codes [V, dim] int8, scales [V, dim / G] float32), G = 32 or 16 inputs per scale
+        # codes [V, dim] int8, scales [V, dim / G] float32 (G = 32 or 16 inputs per scale)
+        # and lows like scales or None: a row is codes * scales (+ lows), as int8_matmul reads
         self.register_buffer("int8_codes", None, persistent=False)
         self.register_buffer("int8_scales", None, persistent=False)
+        self.register_buffer("int8_lows", None, persistent=False)
         self.dtype = self.weight.dtype  # of the rows a lookup returns
 
     def find_int8(self, tied=None) -> bool:
         """Keep the weight as int8 codes if it is exactly that: a tied projection's int8
-        copy (shared, not copied) or exact_int8 of the weight itself. Call while the weight
+        copy (shared, not copied) or int8_copy of the weight itself. Call while the weight
         is float32, before the model is cast."""
         if self.weight is None:
             return False
         if tied is not None and tied.int8_codes is not None:
-            self.int8_codes, self.int8_scales = tied.int8_codes, tied.int8_scales
+            found = tied.int8_codes, tied.int8_scales, tied.int8_lows
         else:
-            found = exact_int8(self.weight.detach())
+            found = int8_copy(self.weight.detach())
             if found is None:
                 return False
-            self.int8_codes, self.int8_scales = found
+        self.int8_codes, self.int8_scales, self.int8_lows = found
         return True
 
     def compact(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> bool:
@@ -53,7 +56,7 @@ class Embedding(nn.Module):
         if (self.weight is None or self.int8_codes is None or dtype not in dtypes
                 or self.weight.device.type != "cpu"):
             if self.weight is not None:
-                self.int8_codes = self.int8_scales = None
+                self.int8_codes = self.int8_scales = self.int8_lows = None
             return self.weight is None
         if self.int8_scales.dtype != torch.float32:
             raise ValueError("int8 scales must stay float32 (exact) through the model's cast")
@@ -65,8 +68,9 @@ class Embedding(nn.Module):
         if self.weight is not None:
             return F.embedding(ids, self.weight)
         codes, scales = self.int8_codes[ids], self.int8_scales[ids]  # [T, dim], [T, dim / G]
-        groups = scales.shape[-1]
-        rows = codes.view(*ids.shape, groups, -1).float() * scales.unsqueeze(-1)
+        rows = codes.view(*scales.shape, -1).float() * scales.unsqueeze(-1)
+        if self.int8_lows is not None:
+            rows += self.int8_lows[ids].unsqueeze(-1)
         return rows.view(*ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

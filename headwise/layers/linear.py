@@ -30,15 +30,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwise.kernels.int8_matmul import exact_int8, int8_matmul
+from headwise.kernels.int8_matmul import AFFINE_GROUP, exact_affine, int8_copy, int8_matmul
 from headwise.layers import opaque
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
 # decode-sized calls still run 1.7-1.9x faster than plain F.linear with it (bench_linear).
 PACK_ROWS = 1024
-INT4_GROUP = 32     # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks, Q4_K sub-blocks)
+INT4_GROUP = AFFINE_GROUP  # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks, Q4_K sub-blocks)
 INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
-INT4_ROWS_AT_ONCE = 4096  # weight rows exact_int4 examines at a time
 # Activation dtypes the 4-bit copy is kept for. With float32 activations PyTorch's int4
 # CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
 # float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
@@ -71,47 +70,12 @@ def can_pack(weight: torch.Tensor) -> bool:
 
 def exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """w [N, K] float32 as codes [N, K] (int32, 0..15), scale and low [N, K/32] with
-    w = low + code * scale in every group of 32 inputs, if w is exactly that, else None.
-
-    Each group's minimum is coded 0 (low). llama.cpp's Q4_1 quantizer also codes its
-    maximum 15; Q4_K's sub-blocks (scale and minimum per 32 inputs) and Q4_0's blocks need
-    not, so a group whose codes span r < 15 steps is found by trying r = 15, 14, ..., 1 on
-    its range (a group of one value: scale 0)."""
-    if w.dim() != 2 or w.dtype != torch.float32 or w.device.type != "cpu":
-        return None
-    N, K = w.shape
-    if N % 16 or K % INT4_GROUP or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+    w = low + code * scale in every group of 32 inputs (to float32 rounding), if w is that
+    and the int4 kernel takes its shape, else None (kernels.int8_matmul.exact_affine: GGUF
+    Q4_1, Q4_0, Q4_K)."""
+    if w.dim() != 2 or w.shape[0] % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None  # the int4 CPU kernel packs output rows by 16
-    codes = torch.empty(N, K, dtype=torch.int32)
-    scale, low = torch.empty(N, K // INT4_GROUP), torch.empty(N, K // INT4_GROUP)
-    for r in range(0, N, INT4_ROWS_AT_ONCE):  # bounded temporaries (a vocabulary is 10^5 rows)
-        found = _exact_int4_rows(w[r:r + INT4_ROWS_AT_ONCE].reshape(-1, K // INT4_GROUP, INT4_GROUP))
-        if found is None:
-            return None
-        codes[r:r + INT4_ROWS_AT_ONCE], scale[r:r + INT4_ROWS_AT_ONCE], low[r:r + INT4_ROWS_AT_ONCE] = \
-            found[0].flatten(1), found[1], found[2]
-    return codes, scale, low
-
-
-def _exact_int4_rows(g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    # g [n, K/32, 32] -> (codes int32, scale, low [n, K/32]) or None
-    srt = g.sort(-1).values
-    if ((srt[..., 1:] > srt[..., :-1]).sum(-1) > 15).any():
-        return None  # a group of more than 16 distinct values (int8 formats, float weights)
-    low, high = srt[..., 0], srt[..., -1]
-    tol = 1e-6 * (low.abs() + high.abs())[..., None] + 1e-30  # float32 rounding of low + code * scale
-    scale = torch.zeros_like(low)
-    done = high == low
-    for steps in range(15, 0, -1):
-        d = (high - low) / steps
-        codes = ((g - low[..., None]) / d.clamp(min=1e-30)[..., None]).round_()
-        fits = ((codes * d[..., None] + low[..., None] - g).abs() <= tol).all(-1) & ~done
-        scale = torch.where(fits, d, scale)
-        done |= fits
-        if bool(done.all()):
-            codes = ((g - low[..., None]) / scale.clamp(min=1e-30)[..., None]).round_().clamp_(0, 15)
-            return codes.to(torch.int32), scale, low
-    return None
+    return exact_affine(w, 16)
 
 
 def activate(y: torch.Tensor, act: str) -> torch.Tensor:
@@ -183,9 +147,12 @@ class Linear(Int4Copy, nn.Module):
         # the scales to the activation dtype, and only a packed layer uses it.
         Int4Copy.init(self)
         # int8 copy for calls of a few rows, where the weight is exactly int8 codes times a
-        # scale per 32 (or 16) inputs and not 4-bit: (codes [out, in] int8, scales [out, in/32 or in/16]).
+        # scale per 32 (or 16) inputs, or 5-bit codes times a scale plus a minimum per 32,
+        # and not 4-bit: codes [out, in] int8, scales [out, in/32 or in/16], lows like
+        # scales or None.
         self.register_buffer("int8_codes", None, persistent=False)
         self.register_buffer("int8_scales", None, persistent=False)
+        self.register_buffer("int8_lows", None, persistent=False)
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
@@ -202,12 +169,12 @@ class Linear(Int4Copy, nn.Module):
 
     def find_int8(self) -> bool:
         """Keep an int8 copy of the weight if it has no 4-bit one and is exactly int8 codes
-        times a scale per 32 or 16 inputs (see kernels.int8_matmul.exact_int8); call while the
-        weight is still float32."""
-        found = None if self.weight is None or self.int4 is not None else exact_int8(self.weight.detach())
+        times a scale per 32 or 16 inputs, or 5-bit codes times a scale plus a minimum per
+        32 (see kernels.int8_matmul.int8_copy); call while the weight is still float32."""
+        found = None if self.weight is None or self.int4 is not None else int8_copy(self.weight.detach())
         if found is None:
             return False
-        self.int8_codes, self.int8_scales = found
+        self.int8_codes, self.int8_scales, self.int8_lows = found
         return True
 
     def pack(self) -> bool:
@@ -217,12 +184,12 @@ class Linear(Int4Copy, nn.Module):
             return True
         if self.weight is None or not can_pack(self.weight):
             self.int4 = None  # only a packed layer uses them
-            self.int8_codes = self.int8_scales = None
+            self.int8_codes = self.int8_scales = self.int8_lows = None
             return False
         if self.int4 is not None:
             self.int4 = int4_cast(self.int4, self.weight.dtype)
         if self.weight.dtype not in INT8_DTYPES:
-            self.int8_codes = self.int8_scales = None
+            self.int8_codes = self.int8_scales = self.int8_lows = None
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -273,7 +240,7 @@ class Linear(Int4Copy, nn.Module):
         not apply (no copy, more rows than kernels.int8_matmul.MAX_ROWS, no kernel)."""
         if self.int8_codes is None:
             return None
-        y = int8_matmul(x, self.int8_codes, self.int8_scales)
+        y = int8_matmul(x, self.int8_codes, self.int8_scales, self.int8_lows)
         return y if y is None or self.bias is None else y + self.bias
 
     def _small(self, x: torch.Tensor) -> bool:

@@ -75,12 +75,13 @@ class CausalLM(nn.Module):
         embed = self.model.embed_tokens
         embed.find_int8(self.lm_head if self.config.tie_word_embeddings else None)
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
-        scales = {m: m.int8_scales for m in linears + [embed] if m.int8_scales is not None}  # float32: exact
+        # float32 scales and minimums of the int8 copies: exact
+        scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}
         self.to(dtype)
         for m, w in kept.items():
             m.weight.data = w
-        for m, sc in scales.items():
-            m.int8_scales = sc
+        for m, (sc, lows) in scales.items():
+            m.int8_scales, m.int8_lows = sc, lows
         for m in self.modules():
             if isinstance(m, FusedInt4):
                 m.cast(dtype)
