@@ -144,6 +144,31 @@ def test_gguf_reader_matches_gguf_package(tmp_path):
         GGUFFile(bad)
 
 
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_tensors_dequantize_as_the_gguf_package_does(qtype, monkeypatch):
+    """Chunked over threads (chunks of a few rows here, so there are many), every value
+    equals gguf.quants.dequantize's; without gguf's per-type table, its function is used."""
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+    from gguf.constants import GGML_QUANT_SIZES
+
+    from headwise.weights import gguf_file
+    from headwise.weights.gguf_file import GGUFTensor
+
+    block, size = GGML_QUANT_SIZES[Q[qtype]]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (37, 2 * size), dtype=np.uint8)  # 37 rows of 2 blocks
+    for b in range(2):  # finite float16 scales wherever the format keeps them
+        for at in ([0, 2] if qtype in ("Q4_1", "Q4_K", "Q5_K") else [0] if qtype in ("Q8_0", "Q5_0") else [size - 2]):
+            raw[:, b * size + at: b * size + at + 2] = (rng.random(37) * 1e-2).astype(np.float16).view(np.uint8).reshape(-1, 2)
+    tensor = GGUFTensor("w", (2 * block, 37), Q[qtype], raw)
+    want = quants.dequantize(raw, Q[qtype]).reshape(37, 2 * block)
+    monkeypatch.setattr(gguf_file, "DEQUANT_CHUNK_BYTES", 3 * size)
+    assert np.array_equal(tensor.dequantize(), want)
+    monkeypatch.setattr(gguf_file, "_format_code", lambda qtype: None)
+    assert np.array_equal(tensor.dequantize(), want)
+
+
 def test_unknown_model_name_lists_known_ones():
     with pytest.raises(FileNotFoundError, match="gemma-3-270m"):
         LLM("gemma-3-999m")

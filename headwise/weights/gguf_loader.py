@@ -105,7 +105,7 @@ def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tenso
     layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
-        w = np.array(t.dequantize())  # writable, contiguous copy
+        w = t.dequantize()  # writable, its own memory
         if t.name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[t.name]
         else:
