@@ -1,5 +1,5 @@
 """Linear layer whose weight can be prepacked for oneDNN on the CPU, and whose weight,
-where it is exactly 4-bit (else exactly int8 per group of 32 or 16), is also kept so for decode.
+where it is exactly 4-bit (else exactly int8 or 5-bit per group), is also kept so for decode.
 
 Plain F.linear on the CPU reorders the weight into oneDNN's blocked layout on every call.
 `pack()` does it once. The packed kernel also applies SiLU and a following elementwise
@@ -11,8 +11,9 @@ group of 32 inputs; `find_int4()` recovers them exactly from the loaded float32 
 and calls with at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter
 of the bytes (bfloat16 activations only: the kernel is slow with float32 ones, see
 INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
-Q5_0) or per 16 (Q6_K, Q3_K) keeps those for calls of at most 4 rows instead
-(kernels.int8_matmul: half the bytes of bfloat16 or less), chosen inside the packed call.
+Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32 (Q5_1,
+Q5_K), keeps those as int8 for calls of at most 4 rows instead (kernels.int8_matmul: about
+half the bytes of bfloat16), chosen inside the packed call.
 Larger calls (prefill, big batches) use the packed dense weight. Under torch.compile a
 packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
 packed matmul only for weights it packed itself.
