@@ -83,6 +83,20 @@ def test_engine_flags_come_from_engine_config():
         parser.parse_args(["generate", "--prompt", "x", "--dtype", "float64"])
 
 
+def test_a_short_one_shot_generate_decodes_eagerly():
+    from headwise.cli import ONE_SHOT_EAGER_TOKENS, build_parser, one_shot_options
+    from headwise.config import engine_options
+
+    parser = build_parser()
+    opts = engine_options(parser.parse_args(["generate", "--prompt", "x"]))
+    assert opts["enforce_eager"] is None  # the engine's own policy, unless generate overrides it
+    assert one_shot_options(opts, 64)["enforce_eager"] is True
+    assert one_shot_options(opts, ONE_SHOT_EAGER_TOKENS)["enforce_eager"] is None
+    for flag, want in (("--enforce-eager", True), ("--no-enforce-eager", False)):
+        explicit = engine_options(parser.parse_args(["generate", "--prompt", "x", flag]))
+        assert one_shot_options(explicit, 64)["enforce_eager"] is want
+
+
 def test_attention_backends_share_signatures():
     """One function per (operation, backend), the same signature in both backends."""
     import inspect
