@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 
@@ -146,8 +147,34 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (a test harness swaps it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value) -> None:
+        pass
+
+
+def show_engine_logs() -> None:
+    """The CLI prints headwise's INFO lines (e.g. that the decode step is being compiled,
+    which takes minutes the first time on a machine) and its warnings, as plain lines on
+    stderr. Once per process; a program using `LLM` configures logging itself."""
+    logger = logging.getLogger("headwise")
+    if any(isinstance(h, _StderrHandler) for h in logger.handlers):
+        return
+    handler = _StderrHandler()
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    show_engine_logs()
     try:
         return args.func(args)
     except KeyboardInterrupt:

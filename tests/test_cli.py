@@ -97,6 +97,22 @@ def test_a_short_one_shot_generate_decodes_eagerly():
         assert one_shot_options(explicit, 64)["enforce_eager"] is want
 
 
+def test_the_cli_shows_engine_log_lines_once(capsys):
+    import logging
+
+    from headwise.cli import show_engine_logs
+
+    logger = logging.getLogger("headwise")
+    before, level = list(logger.handlers), logger.level
+    try:
+        show_engine_logs()
+        show_engine_logs()
+        logging.getLogger("headwise.capture").info("compiling the decode step")
+        assert capsys.readouterr().err == "compiling the decode step\n"
+    finally:
+        logger.handlers[:], logger.level = before, level
+
+
 def test_attention_backends_share_signatures():
     """One function per (operation, backend), the same signature in both backends."""
     import inspect

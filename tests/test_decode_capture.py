@@ -107,12 +107,15 @@ def _int4_model(tmp_path, tokenizer_dir):
     return str(path)
 
 
-def test_policy_captures_4bit_cpu_decode_by_default(tmp_path, tokenizer_dir, tiny_models):
+def test_policy_captures_4bit_cpu_decode_by_default(tmp_path, tokenizer_dir, tiny_models, caplog):
     opts = dict(head_layout="full", kv_cache_memory=1 << 22)
     # Float32 weights: no 4-bit decode, nothing measured to pay, eager unless asked.
     assert not LLM(str(tiny_models["llama"]), dtype="float32", **opts).engine.runner.forward.enabled
     path = _int4_model(tmp_path, tokenizer_dir)
-    llm = LLM(path, dtype="bfloat16", **opts)
+    with caplog.at_level(logging.INFO, logger="headwise.capture"):
+        llm = LLM(path, dtype="bfloat16", **opts)
+    said = [r.getMessage() for r in caplog.records if r.name == "headwise.capture"]
+    assert said[0].startswith("compiling the decode step") and said[1].startswith("decode step captured")
     cap = llm.engine.runner.forward
     assert decode_capture.reads_int4(llm.engine.model) and cap.enabled and cap.compile_s > 0
     calls = GraphCalls(llm)

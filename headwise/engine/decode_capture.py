@@ -113,6 +113,8 @@ class DecodeCapture:
         and writes no cache); on failure, fall back to eager for good."""
         if not self.enabled:
             return
+        log.info("compiling the decode step (about 10 s; up to a few minutes the first time on a "
+                 "machine, then cached; enforce_eager=True / --enforce-eager skips it)")
         t0 = time.perf_counter()
         for n in WARMUP_TOKENS:
             # Made as the model runner makes its inputs (outside inference mode), so the
