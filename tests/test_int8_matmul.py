@@ -166,6 +166,12 @@ def test_linear_keeps_an_int8_copy_for_a_few_rows_in_bfloat16(compiled):
     # A few rows go through the int8 copy, more through the packed bf16 weight.
     x = torch.randn(2, 128).bfloat16()
     assert torch.equal(lin(x), K.int8_matmul(x, lin.int8_codes, lin.int8_scales) + lin.bias)
+    # The copy is checked once, when packed: scales cast with the model are refused there.
+    cast = _linear(w).requires_grad_(False)
+    cast.find_int8()
+    cast.to(torch.bfloat16)
+    with pytest.raises(ValueError, match="float32"):
+        cast.pack()
 
 
 def test_linear_int8_copy_policy():

@@ -145,32 +145,45 @@ def int8_copy(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return None if found is None else (found[0].to(torch.int8), found[1], found[2])
 
 
+def check_int8_weight(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None) -> None:
+    """Raise ValueError unless (codes, scales, lows) is a weight int8_matmul reads: codes
+    [N, K] int8, scales [N, K/G] float32 with G = 32 or 16, lows like scales or None, all
+    contiguous. A layer checks its copy once; int8_matmul checks it per call otherwise."""
+    N, K = codes.shape if codes.dim() == 2 else (0, 0)
+    groups = scales.shape[-1] if scales.dim() == 2 else 0
+    if (not N or codes.dtype != torch.int8 or scales.shape[0] != N or not groups or K % groups
+            or K // groups not in (16, 32) or scales.dtype != torch.float32
+            or not codes.is_contiguous() or not scales.is_contiguous()
+            or (lows is not None and (lows.shape != scales.shape or lows.dtype != torch.float32
+                                      or not lows.is_contiguous()))):
+        raise ValueError(f"int8 weight must be codes [N, K] int8 and scales (and lows) [N, K/32] or "
+                         f"[N, K/16] float32, contiguous; got codes {tuple(codes.shape)} {codes.dtype}, "
+                         f"scales {tuple(scales.shape)} {scales.dtype}"
+                         + ("" if lows is None else f", lows {tuple(lows.shape)} {lows.dtype}"))
+
+
 def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
-                lows: torch.Tensor | None = None) -> torch.Tensor | None:
+                lows: torch.Tensor | None = None, checked: bool = False) -> torch.Tensor | None:
     """x [M, K] (float32 or bfloat16, M <= MAX_ROWS, unit inner stride) times the weight
-    (codes [N, K] int8, scales [N, K/G] float32 with G = 32 or 16, and lows like scales
-    or None: w = code * scale (+ low); all contiguous) transposed -> [M, N] in x's dtype;
+    (see check_int8_weight: w = code * scale (+ low)) transposed -> [M, N] in x's dtype;
     None where the kernel does not apply (no compiled library, another device or dtype,
-    too many rows, inside a torch.compile trace)."""
+    too many rows, inside a torch.compile trace). `checked`: the caller has checked the
+    weight (check_int8_weight) and it has not changed since."""
     if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2
             or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1):
         return None
     lib = matmul_library()
     if lib is None:
         return None
+    if not checked:
+        check_int8_weight(codes, scales, lows)
     M, K = x.shape
-    N = codes.shape[0]
-    groups = scales.shape[-1] if scales.dim() == 2 else 0
-    group = K // groups if groups and K % groups == 0 else 0
-    if (codes.shape != (N, K) or scales.shape[0] != N or group not in (16, 32) or codes.dtype != torch.int8
-            or scales.dtype != torch.float32 or not codes.is_contiguous() or not scales.is_contiguous()
-            or (lows is not None and (lows.shape != scales.shape or lows.dtype != torch.float32
-                                      or not lows.is_contiguous()))):
-        raise ValueError(f"int8 weight must be codes [N, {K}] int8 and scales (and lows) [N, {K // 32}] or "
-                         f"[N, {K // 16}] float32, contiguous")
+    N, groups = codes.shape[0], scales.shape[1]
+    if codes.shape[1] != K:
+        raise ValueError(f"input of {K} features for int8 codes of {codes.shape[1]}")
     out = torch.empty(M, N, dtype=x.dtype)
     rc = lib.int8_matmul(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), K, scales.data_ptr(),
-                         None if lows is None else lows.data_ptr(), groups, group, N, out.data_ptr(), N,
+                         None if lows is None else lows.data_ptr(), groups, K // groups, N, out.data_ptr(), N,
                          DTYPES[x.dtype], torch.get_num_threads())
     if rc:
         raise MemoryError("int8 matmul: out of memory") if rc == -2 else ValueError("int8 matmul: bad shape")

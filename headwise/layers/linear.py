@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwise.kernels.int8_matmul import AFFINE_GROUP, exact_affine, int8_copy, int8_matmul
+from headwise.kernels.int8_matmul import AFFINE_GROUP, check_int8_weight, exact_affine, int8_copy, int8_matmul
 from headwise.layers import opaque
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
@@ -191,6 +191,8 @@ class Linear(Int4Copy, nn.Module):
             self.int4 = int4_cast(self.int4, self.weight.dtype)
         if self.weight.dtype not in INT8_DTYPES:
             self.int8_codes = self.int8_scales = self.int8_lows = None
+        elif self.int8_codes is not None:  # once here, not per call (the copy is final now)
+            check_int8_weight(self.int8_codes, self.int8_scales, self.int8_lows)
         with torch.no_grad():
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS)
             if self.bias is not None:
@@ -241,7 +243,7 @@ class Linear(Int4Copy, nn.Module):
         not apply (no copy, more rows than kernels.int8_matmul.MAX_ROWS, no kernel)."""
         if self.int8_codes is None:
             return None
-        y = int8_matmul(x, self.int8_codes, self.int8_scales, self.int8_lows)
+        y = int8_matmul(x, self.int8_codes, self.int8_scales, self.int8_lows, checked=True)
         return y if y is None or self.bias is None else y + self.bias
 
     def _small(self, x: torch.Tensor) -> bool:
