@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test bench bench-gemma bench-engine bench-split clean
+.PHONY: install demo test quality bench bench-gemma bench-engine bench-split clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -23,6 +23,11 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest tests
+
+# The quality suite (docs/quality.md): every family x length x 5 depths x 3 seeds, full
+# attention against the shipped layout, 95% intervals and the verdict (about an hour here).
+quality: $(STAMP)
+	.venv/bin/headwise eval --suite --lengths 1024,2048,4096,8000 --json bench/quality/suite.json
 
 # Peers side by side. llama-cpp-python builds from source (several minutes, once; cached
 # in .venv); if the build fails its column is skipped with a message. On CPUs that list AMX

@@ -27,6 +27,28 @@ def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
     assert json.loads(f.read_text())["model"] == "llama"
 
 
+@pytest.mark.parametrize("method", ["gates", "mass"])
+def test_every_method_is_deterministic_and_keeps_the_fraction(tiny_models, method):
+    from headwise.calibration import calibrate
+
+    kw = dict(full_fraction=0.5, sink=4, window=16, num_samples=3, lengths=(96, 128), progress=False,
+              method=method, steps=4)
+    a = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
+    b = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
+    assert a.heads == b.heads and a.scores == b.scores
+    assert sum(a.num_full(l) for l in range(2)) == 2
+    assert a.name == f"calibrated-{method}-0.5"
+    flat = sorted(((x, (l, h)) for l, row in enumerate(a.scores) for h, x in enumerate(row)), reverse=True)
+    assert {lh for _, lh in flat[:2]} == {(l, h) for l in range(2) for h in range(2) if a.heads[l][h].kind == "full"}
+
+
+def test_calibrate_rejects_an_unknown_method(tiny_models):
+    from headwise.calibration import calibrate
+
+    with pytest.raises(ValueError, match="unknown calibration method"):
+        calibrate(str(tiny_models["llama"]), method="oracle", progress=False)
+
+
 def test_calibration_runs_with_an_int8_kv_cache(tiny_models):
     from headwise.calibration import calibrate
 

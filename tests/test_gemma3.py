@@ -227,12 +227,14 @@ def test_gemma_270m_chunked_16k_prefill_equals_one_pass():
     assert one.argmax() == chunked.argmax()
 
 
-def test_calibration_keeps_the_sliding_layers_native(tiny_gemma, tmp_path):
+@pytest.mark.parametrize("method", ["ablation", "gates"])
+def test_calibration_keeps_the_sliding_layers_native(tiny_gemma, tmp_path, method):
     from headwise.calibration import calibrate
     from headwise.calibration.calibrate import select_from_scores
 
     lay = calibrate(str(tiny_gemma), full_fraction=0.5, sink=2, window=4, num_samples=2,
-                    lengths=(96,), rounds=1, progress=False, engine_options={"dtype": "float32"})
+                    lengths=(96,), rounds=1, progress=False, engine_options={"dtype": "float32"},
+                    method=method, steps=3)
     native = HeadSpec("window", 0, WINDOW)
     for l, kind in enumerate(LAYER_TYPES):
         if kind == "sliding_attention":

@@ -1,6 +1,16 @@
 """`headwise calibrate`: decide which KV heads stay full.
 
-Method (training-free, measured against alternatives in README):
+Three methods rank the candidate heads (docs/quality.md compares them on the quality suite):
+- "gates" (the default): a gate per KV head mixing its full and sink + window outputs,
+  trained by distillation with an L1 pull toward window (calibration.gates, after
+  DuoAttention).
+- "mass": the attention mass the answer positions put outside sink + window (the
+  training-free profile RedKnot uses); for a KV head, the largest over its query heads.
+- "ablation", described below.
+All three read the same calibration prompts (calibration.samples), held out from the
+quality suite.
+
+Ablation (training-free):
 1. Run retrieval prompts with their answers appended. At the answer positions, for every
    KV head, compare the head's attention output under full attention with its output
    under the sink + window mask, projected through the head's slice of o_proj, i.e. the
@@ -24,16 +34,20 @@ from dataclasses import dataclass
 import torch
 
 from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
+from headwise.calibration.gates import GateSample, train_gates
 from headwise.calibration.samples import CalibSample, make_samples
 from headwise.layouts import native_layout
 from headwise.llm import LLM
-from headwise.weights.loader import read_model_config
+from headwise.weights.loader import load_model, read_model_config
+
+METHODS = ("gates", "mass", "ablation")
 
 
 @dataclass
 class HeadScores:
     deviation: torch.Tensor   # [L, H] mean normalised output change when windowed
     needle_mass: torch.Tensor  # [L, H] mean attention mass on the needle
+    outside_mass: torch.Tensor  # [L, H] mean attention mass outside sink + window (max over the group)
 
 
 class _Probe:
@@ -48,6 +62,7 @@ class _Probe:
         self.needle: list[int] = []
         self.dev = torch.zeros(len(order))
         self.mass = torch.zeros(len(order))
+        self.outside = torch.zeros(len(order))
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] in storage order (see head_order)
@@ -69,9 +84,11 @@ class _Probe:
         proj = torch.einsum("hrd,ohd->hro", delta, W)               # [Hq, R, hidden]
         dev = proj.norm(dim=-1).mean(-1).view(-1, g).sum(-1)        # [Hkv]
         mass = pf[:, :, self.needle].sum(-1).mean(-1).view(-1, g).mean(-1) if self.needle else torch.zeros(len(self.order))
+        outside = pf.masked_fill(win, 0).sum(-1).mean(-1).view(-1, g).amax(-1)  # [Hkv]
         for pos, head in enumerate(self.order):
             self.dev[head] += dev[pos]
             self.mass[head] += mass[pos]
+            self.outside[head] += outside[pos]
 
 
 def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progress=None) -> HeadScores:
@@ -89,22 +106,23 @@ def score_heads(llm, samples: list[CalibSample], sink: int, window: int, progres
             attn.observer = p
         probes.append(p)
     dev = torch.zeros(cfg.num_layers, cfg.num_kv_heads)
-    mass = torch.zeros_like(dev)
+    mass, outside = torch.zeros_like(dev), torch.zeros_like(dev)
     try:
         for s in samples:
             for p in probes:
                 p.rows, p.needle = s.query_rows, s.needle_rows
-                p.dev.zero_(), p.mass.zero_()
+                p.dev.zero_(), p.mass.zero_(), p.outside.zero_()
             eng.prompt_logits(s.ids, chunk_size=len(s.ids), positions=[])
             d = torch.stack([p.dev for p in probes])
             dev += d / d.max()
             mass += torch.stack([p.mass for p in probes])
+            outside += torch.stack([p.outside for p in probes])
             if progress is not None:
                 progress.update(1)
     finally:
         for attn in attn_layers:
             attn.observer = None
-    return HeadScores(dev / len(samples), mass / len(samples))
+    return HeadScores(dev / len(samples), mass / len(samples), outside / len(samples))
 
 
 def _top(scores: torch.Tensor, k: int, candidate: torch.Tensor) -> set[tuple[int, int]]:
@@ -122,7 +140,9 @@ def _split(name: str, base: HeadLayout, candidate: torch.Tensor, full: set[tuple
     return HeadLayout(name, *base.shape, heads, model=base.model, scores=scores)
 
 
-def _check(full_fraction: float, sink: int, window: int) -> None:
+def _check(full_fraction: float, sink: int, window: int, method: str = METHODS[0]) -> None:
+    if method not in METHODS:
+        raise ValueError(f"unknown calibration method {method!r}; choose from {', '.join(METHODS)}")
     if not 0.0 <= full_fraction <= 1.0:
         raise ValueError(f"full_fraction must be in [0, 1], got {full_fraction}")
     if window < 1 or sink < 0:
@@ -146,38 +166,53 @@ def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEF
 def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int = DEFAULT_SINK,
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
               lengths: tuple[int, ...] = (1024, 2048, 3072), rounds: int = 2,
-              progress: bool = True, engine_options: dict | None = None) -> HeadLayout:
+              progress: bool = True, engine_options: dict | None = None, method: str = "ablation",
+              steps: int = 64, lr: float = 0.05, l1: float = 0.05) -> HeadLayout:
     """Find a layout keeping `full_fraction` of the candidate KV heads full (every head,
-    or those of the full-attention layers of a model with sliding-window layers).
-    Deterministic for a seed."""
-    _check(full_fraction, sink, window)
+    or those of the full-attention layers of a model with sliding-window layers), ranked by
+    `method` (METHODS). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
+    training of "gates" (calibration.gates). Deterministic for a seed."""
+    _check(full_fraction, sink, window, method)
     torch.manual_seed(seed)
-    opts = dict(engine_options or {})
-    opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
     mcfg = read_model_config(model)
     shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
     base = native_layout(mcfg) or HeadLayout.full(shape, mcfg.name)
-    llm = LLM(model, head_layout=base, **opts)
     candidate = torch.tensor([[s.kind == "full" for s in row] for row in base.heads])
     k = round(full_fraction * int(candidate.sum()))
-    samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
+    name = f"calibrated-{method}-{full_fraction:g}"
     bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=num_samples * (1 + rounds), desc="calibrating", unit="prompt")
-    first = score_heads(llm, samples, sink, window, bar)
-    scores = first.deviation
-    full = _top(scores, k, candidate)
-    name = f"calibrated-{full_fraction:g}"
-    for _ in range(rounds):
-        split = LLM(model, head_layout=_split(name, base, candidate, full, sink, window), **opts)
-        again = score_heads(split, samples, sink, window, bar)
-        del split
-        # Blend: a head is kept if it matters with every head full or with this split.
-        scores = 0.5 * first.deviation + 0.5 * again.deviation
-        full = _top(scores, k, candidate)
+    if method == "gates":
+        if (engine_options or {}).get("num_threads"):
+            torch.set_num_threads(engine_options["num_threads"])
+        net, tokenizer = load_model(model, torch.float32)
+        samples = make_samples(tokenizer, num_samples, lengths, seed)
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=steps, desc="training gates", unit="step")
+        fixed = {l: (0, mcfg.sliding_window) for l in mcfg.sliding_layers}
+        result = train_gates(net, [GateSample(s.ids, s.query_rows) for s in samples], candidate, fixed,
+                             sink, window, steps, lr, l1, seed, progress=bar)
+        scores = result.scores
+    else:
+        opts = dict(engine_options or {})
+        opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
+        llm = LLM(model, head_layout=base, **opts)
+        samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=num_samples * (1 + (rounds if method == "ablation" else 0)),
+                       desc="calibrating", unit="prompt")
+        first = score_heads(llm, samples, sink, window, bar)
+        scores = first.deviation if method == "ablation" else first.outside_mass
+        for _ in range(rounds if method == "ablation" else 0):
+            split = LLM(model, head_layout=_split(name, base, candidate, _top(scores, k, candidate), sink, window),
+                        **opts)
+            again = score_heads(split, samples, sink, window, bar)
+            del split
+            # Blend: a head is kept if it matters with every head full or with this split.
+            scores = 0.5 * first.deviation + 0.5 * again.deviation
     if bar is not None:
         bar.close()
     stored = [[round(float(x), 6) if c else None for x, c in zip(row, crow)]
               for row, crow in zip(scores, candidate)]
-    return _split(name, base, candidate, full, sink, window, stored)
+    return _split(name, base, candidate, _top(scores, k, candidate), sink, window, stored)

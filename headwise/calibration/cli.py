@@ -6,7 +6,7 @@ import time
 from pathlib import Path
 
 from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
-from headwise.calibration.calibrate import calibrate, select_from_scores
+from headwise.calibration.calibrate import METHODS, calibrate, select_from_scores
 from headwise.config import add_engine_args, engine_options
 from headwise.evaluation.cli import int_list
 
@@ -22,7 +22,13 @@ def add_calibrate(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=24, help="calibration prompts")
     p.add_argument("--lengths", default="1024,2048,3072", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--rounds", type=int, default=2, help="re-scoring rounds with the split in place")
+    p.add_argument("--method", choices=METHODS, default="ablation",
+                   help="how heads are ranked: gates (trained by distillation), mass (attention mass "
+                        "outside sink + window), ablation (output change when windowed); docs/quality.md")
+    p.add_argument("--rounds", type=int, default=2, help="ablation: re-scoring rounds with the split in place")
+    p.add_argument("--steps", type=int, default=64, help="gates: training steps (one prompt each)")
+    p.add_argument("--lr", type=float, default=0.05, help="gates: Adam learning rate")
+    p.add_argument("--l1", type=float, default=0.05, help="gates: weight of the L1 pull toward window")
     p.add_argument("--plot", default=None, help="PNG heatmap of per-head scores (layers x heads)")
     p.add_argument("--from-scores", default=None, metavar="LAYOUT",
                    help="re-select from the scores stored in a calibrated layout (no model run)")
@@ -44,7 +50,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
                            num_samples=args.samples, lengths=int_list(args.lengths, "--lengths"),
                            rounds=args.rounds,
-                           engine_options=engine_options(args, exclude=("model", "head_layout")))
+                           engine_options=engine_options(args, exclude=("model", "head_layout")),
+                           method=args.method, steps=args.steps, lr=args.lr, l1=args.l1)
         if args.name:
             layout.name = args.name
         how = f"calibrated in {time.perf_counter() - t0:.0f}s"

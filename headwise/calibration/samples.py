@@ -1,11 +1,46 @@
 """Calibration data: retrieval prompts generated on the fly, with the answer appended so
-one forward pass shows every head at the positions that produce the answer."""
+one forward pass shows every head at the positions that produce the answer.
+
+Held out from the quality suite (evaluation.families): the haystacks come from the
+"calib" sources of evaluation.sources (GNU Info manuals, Debian package READMEs), never
+the suite's, and the needles from CALIB_TEMPLATES, none of which the suite uses. Kinds:
+number needles, phrase needles (the answer is copied words) and several needles with
+one asked for, over lengths and depths.
+"""
 from __future__ import annotations
 
 import random
 from dataclasses import dataclass
 
 from headwise.evaluation import tasks
+from headwise.evaluation.sources import CALIB_SOURCES
+
+PLACES = ["Ankara", "Beirut", "Caracas", "Dhaka", "Entebbe", "Fukuoka", "Geneva", "Havana", "Izmir",
+          "Jakarta", "Kigali", "Leipzig", "Malmo", "Nantes", "Oaxaca", "Porto", "Riga", "Sapporo", "Tbilisi",
+          "Utrecht"]
+PEOPLE = ["Aurelio", "Beatrix", "Cosmin", "Delphine", "Emeka", "Fenna", "Gustavo", "Halima", "Ivo", "Jelena",
+          "Kasimir", "Leonie", "Marek", "Noor", "Olivier", "Pavla", "Quentin", "Rosalind", "Stellan", "Teodora"]
+DISHES = ["a lentil soup with smoked paprika", "baked pears with honey and walnuts",
+          "a pie of leeks and potatoes", "grilled sardines with lemon", "a stew of beans and chestnuts",
+          "rice pudding with cardamom", "a cake of carrots and almonds", "roasted peppers stuffed with barley"]
+CUSTOMS = ["fly paper lanterns from the bridges", "play chess in the railway station",
+           "bake bread in the communal ovens", "sing in the tunnels under the market",
+           "paint the doors of their houses blue", "race wooden boats in the canals"]
+# (needle, question ending in the start of its answer); {k} key, {v} value.
+NUMBER_TEMPLATES = [
+    ("The secret code for the {k} vault is {v}.", "What is the secret code for the {k} vault? "
+                                                  "The secret code for the {k} vault is"),
+    ("{k} keeps the spare key in box number {v}.", "In which box does {k} keep the spare key? "
+                                                   "{k} keeps the spare key in box number"),
+]
+PHRASE_TEMPLATES = [
+    ("The dish that {k} is famous for is {v}.", "What dish is {k} famous for? The dish that {k} is famous for is"),
+    ("When it rains in {k}, people like to {v}.", "What do people in {k} like to do when it rains? "
+                                                  "When it rains in {k}, people like to"),
+]
+CALIB_TEMPLATES = [t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES for t in pair]
+HEAD = "Below is some documentation. A few facts are hidden in it; remember them.\n\n"
+KINDS = ("number", "phrase", "distractors")
 
 
 @dataclass
@@ -23,16 +58,38 @@ def _span_tokens(tokenizer, text: str, needle: str) -> list[int]:
     return list(range(max(0, a - 1), b))
 
 
-def make_samples(tokenizer, num: int, lengths: tuple[int, ...], seed: int) -> list[CalibSample]:
-    """`num` samples over task formats (passkey, prose needle, multi-key), lengths and depths."""
+def calib_prompt(tokenizer, kind: str, length: int, depth: float, seed: int) -> tasks.Sample:
+    """One calibration prompt of `kind` (KINDS) at `depth`, in a calibration source."""
     rng = random.Random(seed)
-    kinds = ["passkey", "niah", "multikey"]
+    source = CALIB_SOURCES[seed % len(CALIB_SOURCES)]
+    if kind == "phrase":
+        t = rng.randrange(len(PHRASE_TEMPLATES))
+        needle, q = PHRASE_TEMPLATES[t]
+        k = rng.choice(PEOPLE if t == 0 else PLACES)
+        v = rng.choice(DISHES if t == 0 else CUSTOMS)
+        needles, answer = [(depth, needle.format(k=k, v=v))], v
+    else:
+        t = rng.randrange(len(NUMBER_TEMPLATES))
+        needle, q = NUMBER_TEMPLATES[t]
+        keys = rng.sample(PLACES if t == 0 else PEOPLE, 3 if kind == "distractors" else 1)
+        values = [str(rng.randint(1000, 999999)) for _ in keys]
+        depths = [depth] + [rng.random() for _ in keys[1:]]
+        needles = [(d, needle.format(k=k, v=v)) for d, k, v in zip(depths, keys, values)]
+        k, answer = keys[0], values[0]
+    needles = [(d, f" {n} ") for d, n in needles]
+    text = tasks._build(tokenizer, length, source, HEAD, needles, "\n\n" + q.format(k=k), seed)
+    return tasks.Sample(kind, text, [answer], depth, length, [n for _, n in needles])
+
+
+def make_samples(tokenizer, num: int, lengths: tuple[int, ...], seed: int) -> list[CalibSample]:
+    """`num` samples over the kinds, lengths and depths (deterministic for a seed)."""
+    rng = random.Random(seed)
     out = []
     for i in range(num):
-        kind = kinds[i % len(kinds)]
-        length = lengths[(i // len(kinds)) % len(lengths)]
+        kind = KINDS[i % len(KINDS)]
+        length = lengths[(i // len(KINDS)) % len(lengths)]
         depth = (i * 0.37 + rng.random() * 0.2) % 1.0
-        s = tasks.TASKS[kind](tokenizer, length, depth, seed=rng.randrange(1 << 30))
+        s = calib_prompt(tokenizer, kind, length, depth, seed=rng.randrange(1 << 30))
         prompt = tokenizer.encode(s.text)
         answer = tokenizer.encode(" " + s.answers[0] + ".", add_special_tokens=False)
         ids = prompt + answer

@@ -2,11 +2,14 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from headwise.cache.layout import KV_CACHE_DTYPES
 from headwise.config import add_engine_args, engine_options
+from headwise.evaluation import quality
+from headwise.evaluation.families import FAMILIES
 from headwise.evaluation.runner import ALL_TASKS
-from headwise.evaluation.suite import EVAL_ENGINE_OPTIONS, run_eval
+from headwise.evaluation.suite import EVAL_ENGINE_OPTIONS, run_eval, run_quality
 
 
 def int_list(text: str, flag: str) -> list[int]:
@@ -26,7 +29,8 @@ def add_eval(sub) -> None:
                         "(full, or native for a model with sliding-window layers) + shipped")
     p.add_argument("--tasks", default=",".join(ALL_TASKS))
     p.add_argument("--lengths", default="1024,2048,4096,8000")
-    p.add_argument("--seeds", type=int, default=1, help="prompts per (task, length, depth)")
+    p.add_argument("--seeds", type=int, default=None, help="prompts per (task, length, depth); default 1, "
+                   "3 with --suite")
     p.add_argument("--baselines", action="store_true",
                    help="add `window` with the same KV bytes and a random layout with the same full fraction")
     p.add_argument("--rebased", action="store_true",
@@ -36,6 +40,17 @@ def add_eval(sub) -> None:
                         f"(e.g. int8; choices {', '.join(KV_CACHE_DTYPES[1:])}); rows named LAYOUT+DTYPE")
     p.add_argument("--transformers", action="store_true",
                    help="add a `transformers` row: HF transformers on the same weights (passkey, niah, ruler)")
+    p.add_argument("--suite", action="store_true",
+                   help="run the quality suite (every family x length x 5 depths x --seeds prompts, "
+                        "perplexity per source; 95%% intervals and the equal-to-reference verdict) "
+                        "instead of --tasks; --seeds defaults to 3")
+    p.add_argument("--families", default=",".join(FAMILIES), help="suite families, comma-separated")
+    p.add_argument("--report", action="append", default=[], metavar="JSON",
+                   help="suite records of earlier runs (--suite --json) to add to the table; layouts "
+                        "they hold are not run again (repeatable)")
+    p.add_argument("--no-reference", action="store_true",
+                   help="suite: run only the --head-layout layouts, not the reference (merge with its "
+                        "records later through --report)")
     p.add_argument("--json", default=None)
     p.add_argument("--plot-dir", default=None)
     add_engine_args(p, exclude=("head_layout",))
@@ -43,6 +58,9 @@ def add_eval(sub) -> None:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
+    if args.suite or args.report:
+        return cmd_suite(args)
+    args.seeds = args.seeds or 1
     task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
     bad = [t for t in task_names if t not in ALL_TASKS]
     if bad:
@@ -59,3 +77,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     print(text)
     return 0
 
+
+
+def cmd_suite(args: argparse.Namespace) -> int:
+    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"unknown suite family {bad[0]!r}; choose from {', '.join(FAMILIES)}")
+    seeds = args.seeds or quality.SEEDS
+    if seeds < 1:
+        raise ValueError(f"--seeds must be positive, got {seeds}")
+    previous = quality.load(*args.report) if args.report else None
+    specs = args.head_layout
+    if not args.suite:  # --report alone: the table of the records given
+        specs = []
+    records, text = run_quality(args.model, specs, families, int_list(args.lengths, "--lengths"), seeds,
+                                args.json, engine_options(args, exclude=("model", "head_layout")), previous,
+                                reference=not args.no_reference)
+    if text is None:
+        print(f"no reference records: {', '.join(quality.layouts_of(records))} written to {args.json}; "
+              f"add the reference's with --report for the table")
+        return 0
+    print(text)
+    if args.plot_dir:
+        ref = "full" if "full" in quality.layouts_of(records) else "native"
+        print(f"wrote {quality.plot_fractions(records, ref, Path(args.plot_dir) / 'quality_fractions.png')}")
+    return 0

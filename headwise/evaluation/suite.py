@@ -6,7 +6,7 @@ from tqdm import tqdm
 
 from headwise.cache.layout import DEFAULT_SINK, HeadLayout, resolve_layout
 from headwise.cache.spec import CacheGeometry, KVClassSpec
-from headwise.evaluation import runner
+from headwise.evaluation import quality, runner
 from headwise.evaluation.reference import REFERENCE_TASKS, TransformersReference
 from headwise.layouts import native_layout, shipped_layout
 from headwise.llm import LLM
@@ -114,3 +114,44 @@ def run_eval(model, layout_specs, task_names, lengths, seeds, baselines, json_pa
     if plot_dir:
         runner.heatmaps(records, plot_dir)
     return records, text
+
+
+def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEEDS, json_path=None,
+                engine_options: dict | None = None, previous: list[quality.SuiteRecord] | None = None,
+                reference: bool = True):
+    """The quality suite (evaluation.quality) for the reference and each layout; records
+    of `previous` runs (--report) join the table, and a (layout, length) they already hold
+    is not run again, so runs over different lengths merge. Records are written to
+    `json_path` after every length. reference=False runs only the layouts given (their
+    records merge with the reference's later, through --report). Returns (records,
+    markdown; None without the reference's records)."""
+    opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
+    cfg = read_model_config(model)
+    native = native_layout(cfg)
+    ref_name = "native" if native else "full"
+    shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
+    records = list(previous or [])
+    done = {(r.layout, r.length) for r in records}
+    if layout_specs is None:
+        shipped = shipped_layout(cfg.name, shape)
+        layout_specs = [] if shipped is None else [shipped]
+    todo = []
+    for spec in ([ref_name] if reference else []) + [s for s in layout_specs if s != ref_name]:
+        lay = resolve_layout(spec, shape, cfg.name, native=native)
+        name = _name(spec, lay)
+        missing = [L for L in lengths if (name, L) not in done]
+        if missing:
+            todo.append((name, lay, missing))
+    per = len(families) * len(quality.DEPTHS) * seeds
+    bar = tqdm(total=per * sum(len(ls) for _, _, ls in todo), desc="quality suite", unit="prompt")
+    for name, lay, missing in todo:
+        llm = LLM(model, **{**opts, "head_layout": lay})
+        for L in missing:
+            records += quality.run_suite(llm, name, families, [L], seeds, progress=bar)
+            if json_path:
+                quality.save(records, json_path)
+        del llm
+    bar.close()
+    if ref_name not in quality.layouts_of(records):
+        return records, None
+    return records, quality.report(records, ref_name)

@@ -2,20 +2,17 @@
 
 Every generator returns a Sample whose prompt is within 2% of the requested token count
 and whose needle sits at the requested depth (fraction of the haystack before it).
-Haystacks are either the classic passkey filler or English prose from the license texts
-Debian ships in every installation (package base-files, /usr/share/common-licenses).
+Haystacks are either the classic passkey filler or English prose from one of the sources
+in evaluation.sources (by default the license texts Debian ships in every installation).
+The quality suite's families (evaluation.families) build on these pieces.
 """
 from __future__ import annotations
 
 import random
-import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from headwise.evaluation import sources
 from headwise.evaluation.passkey import FILLER
-
-PROSE_DIR = Path("/usr/share/common-licenses")
-PROSE_FILES = ["GPL-3", "Apache-2.0", "GFDL-1.3", "MPL-2.0", "LGPL-2.1", "GPL-2", "Artistic", "CC0-1.0"]
 
 CITIES = ["Lisbon", "Oslo", "Nairobi", "Lima", "Hanoi", "Quito", "Dublin", "Cairo", "Perth", "Zagreb",
           "Bogota", "Tallinn", "Accra", "Osaka", "Seville", "Bergen", "Tunis", "Manila", "Lyon", "Krakow"]
@@ -34,14 +31,9 @@ class Sample:
     needles: list[str] = field(default_factory=list)  # needle sentences, for calibration
 
 
-def prose_sentences() -> list[str]:
-    """Sentences of English prose from Debian's license texts, in file order."""
-    missing = [f for f in PROSE_FILES if not (PROSE_DIR / f).is_file()]
-    if missing:
-        raise FileNotFoundError(f"prose haystack needs {PROSE_DIR}/{missing[0]} (Debian package base-files)")
-    text = " ".join((PROSE_DIR / f).read_text(errors="replace") for f in PROSE_FILES)
-    text = re.sub(r"\s+", " ", text)
-    return [s.strip() + " " for s in re.split(r"(?<=[.;:])\s+", text) if len(s.split()) >= 4]
+def prose_sentences(source: str = "licenses") -> list[str]:
+    """Sentences of English prose from a haystack source (evaluation.sources), in order."""
+    return list(sources.sentences(source))
 
 
 class Haystack:
@@ -65,9 +57,14 @@ _HAYSTACKS: dict[tuple[int, str], Haystack] = {}
 
 
 def haystack(tokenizer, kind: str) -> Haystack:
+    """The pieces of `kind`: "filler" (the passkey filler), "prose" (the license texts)
+    or the name of a source in evaluation.sources."""
     key = (id(tokenizer), kind)
     if key not in _HAYSTACKS:
-        pieces = prose_sentences() if kind == "prose" else [s + ". " for s in FILLER.split(". ") if s.strip()]
+        if kind == "filler":
+            pieces = [s + ". " for s in FILLER.split(". ") if s.strip()]
+        else:
+            pieces = prose_sentences("licenses" if kind == "prose" else kind)
         _HAYSTACKS[key] = Haystack(tokenizer, pieces)
     return _HAYSTACKS[key]
 
@@ -76,7 +73,7 @@ def _build(tokenizer, num_tokens: int, kind: str, head: str, needles: list[tuple
            question: str, seed: int) -> str:
     """Haystack of `kind` with each needle inserted at its depth, sized to num_tokens."""
     hs = haystack(tokenizer, kind)
-    start = random.Random(seed).randrange(len(hs.pieces)) if kind == "prose" else 0
+    start = random.Random(seed).randrange(len(hs.pieces)) if kind != "filler" else 0
     n = len(hs.pieces)
 
     def make(budget: float) -> str:
@@ -153,8 +150,10 @@ def multikey(tokenizer, num_tokens: int, depth: float, seed: int = 0, keys: int 
     return Sample("multikey", text, [nums[0]], depth, num_tokens, [needles[0]])
 
 
-def variable_tracking(tokenizer, num_tokens: int, depth: float, seed: int = 0, hops: int = 3) -> Sample:
-    """RULER variable tracking: VAR A = n, VAR B = VAR A, ...; name every variable equal to n."""
+def variable_tracking(tokenizer, num_tokens: int, depth: float, seed: int = 0, hops: int = 3,
+                      kind: str = "filler") -> Sample:
+    """RULER variable tracking: VAR A = n, VAR B = VAR A, ...; name every variable equal to n
+    (in a haystack of `kind`, see haystack())."""
     rng = random.Random(seed)
     names = ["".join(rng.choice("ABCDEFGHJKLMNPQRSTUVWXYZ") for _ in range(5)) for _ in range(hops + 1)]
     value = str(rng.randint(10000, 99999))
@@ -163,7 +162,7 @@ def variable_tracking(tokenizer, num_tokens: int, depth: float, seed: int = 0, h
     head = "Memorize and track the chain of variable assignments hidden in the following text.\n\n"
     q = (f"\n\nQuestion: Find all variables that are assigned the value {value} in the text above. "
          f"Answer: According to the chain of variable assignments, the variables assigned the value {value} are:")
-    text = _build(tokenizer, num_tokens, "filler", head, list(zip(depths, chain)), q, seed)
+    text = _build(tokenizer, num_tokens, kind, head, list(zip(depths, chain)), q, seed)
     return Sample("vartrack", text, names, depth, num_tokens, chain)
 
 

@@ -1,8 +1,8 @@
 """RMSNorm and the rotary embedding through cpu_pointwise.c, where it takes the tensors.
 
 Each function returns None where the kernel does not apply (not on the CPU, a dtype other
-than float32 / bfloat16, rows it cannot address, no compiled library, or inside a graph
-torch.compile is tracing), and the layer keeps its PyTorch code. Results: float32 math
+than float32 / bfloat16, rows it cannot address, no compiled library, inside a graph
+torch.compile is tracing, or on a tensor that needs a gradient), and the layer keeps its PyTorch code. Results: float32 math
 rounded once to the values' dtype, as the PyTorch code computes them (the rotary
 embedding exactly so; the norm's sum of squares in another order).
 """
@@ -27,6 +27,8 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 def _lib(*xs: torch.Tensor):
     if torch.compiler.is_compiling():
         return None
+    if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
+        return None  # the kernels have no backward (calibration.gates trains through the model)
     if not all(x.device.type == "cpu" for x in xs):
         return None
     return pointwise_library()
@@ -36,7 +38,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
     """(s, s / rms(s) * weight) with s = x, or s = x + residual (a new tensor, rounded to
     x's dtype); None where the kernel does not apply."""
-    lib = _lib(x, weight)
+    lib = _lib(x, weight, *(() if residual is None else (residual,)))
     if lib is None or x.dtype not in DTYPES or weight.dtype not in DTYPES or weight.stride(0) != 1:
         return None
     xr = _rows(x)

@@ -1,0 +1,221 @@
+"""The quality suite (`headwise eval --suite`, `make quality`): every family of
+evaluation.families at every length, DEPTHS x seeds prompts each, per layout; perplexity
+on each evaluation source; 95% intervals; the verdict "equal to the reference".
+
+Equal to the reference (full attention, or a model's native layout) means both:
+- per family and length, the layout's mean score is not below the lower end of the
+  reference's 95% interval (Wilson's score interval on the mean over the prompts; a mean
+  above the interval is better, not different, and counts as equal);
+- over the whole suite, the layout fails at most MAX_LOST of the prompts the reference
+  passes (a prompt passes when it scores 1).
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from headwise.evaluation import tasks
+from headwise.evaluation.families import FAMILIES
+from headwise.evaluation.sources import EVAL_SOURCES
+
+DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+SEEDS = 3
+MAX_LOST = 0.02
+Z95 = 1.959964
+
+
+@dataclass
+class SuiteRecord:
+    layout: str
+    family: str        # a FAMILIES name, or "ppl:<source>"
+    length: int
+    depth: float | None
+    seed: int
+    score: float       # fraction of expected strings found; perplexity for ppl rows
+    output: str = ""
+    full_fraction: float | None = None  # of the layout's KV heads
+
+
+def seed_of(depth_index: int, i: int) -> int:
+    """The seed of the i-th prompt at a depth: 15 distinct seeds per length cover every
+    pairing of phrasing and source (families._source)."""
+    return 3 * depth_index + i
+
+
+def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4096, 8000),
+              seeds: int = SEEDS, ppl: bool = True, progress=None) -> list[SuiteRecord]:
+    """Greedy answers of one engine to every prompt of the suite, scored."""
+    frac = llm.engine.layout.full_fraction
+    from headwise.sampling import SamplingParams
+
+    bad = [f for f in families if f not in FAMILIES]
+    if bad:
+        raise ValueError(f"unknown suite family {bad[0]!r}; choose from {', '.join(FAMILIES)}")
+    tok, out = llm.tokenizer, []
+    for length in lengths:
+        for name in families:
+            fam = FAMILIES[name]
+            for d, depth in enumerate(DEPTHS):
+                for i in range(seeds):
+                    seed = seed_of(d, i)
+                    s = fam.build(tok, length, depth, seed)
+                    o = llm.generate(s.text, SamplingParams(max_tokens=fam.max_new, stop=["\n\n"]),
+                                     use_tqdm=False)[0]
+                    out.append(SuiteRecord(layout, name, length, depth, seed, tasks.score(s, o.text), o.text, frac))
+                    if progress is not None:
+                        progress.update(1)
+        if ppl:
+            for src in EVAL_SOURCES:
+                ids = tok.encode("".join(tasks.prose_sentences(src)))[:length]
+                nll = -llm.engine.prompt_logprobs(ids).mean()
+                out.append(SuiteRecord(layout, f"ppl:{src}", length, None, 0, math.exp(float(nll)), "", frac))
+    return out
+
+
+def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:
+    """95% score interval of a mean of n scores in [0, 1] (Wilson's, exact at 0 and 1)."""
+    if n == 0:
+        return 0.0, 1.0
+    d = 1 + z * z / n
+    centre = (mean + z * z / (2 * n)) / d
+    half = z / d * math.sqrt(max(0.0, mean * (1 - mean) / n + z * z / (4 * n * n)))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+@dataclass
+class Cell:
+    family: str
+    length: int
+    n: int
+    ref_mean: float
+    ref_interval: tuple[float, float]
+    mean: float
+
+    @property
+    def equal(self) -> bool:
+        return self.mean >= self.ref_interval[0] - 1e-12
+
+
+@dataclass
+class Verdict:
+    layout: str
+    cells: list[Cell]
+    ref_passed: int      # prompts the reference passes
+    lost: int            # of those, the prompts this layout fails
+    ppl: dict[tuple[str, int], tuple[float, float]]  # (source, length) -> (reference, layout)
+
+    @property
+    def lost_fraction(self) -> float:
+        return self.lost / self.ref_passed if self.ref_passed else 0.0
+
+    @property
+    def equal(self) -> bool:
+        return all(c.equal for c in self.cells) and self.lost_fraction <= MAX_LOST
+
+    @property
+    def mean(self) -> float:
+        return sum(c.mean for c in self.cells) / max(1, len(self.cells))
+
+
+def _by_prompt(records: list[SuiteRecord], layout: str) -> dict[tuple, float]:
+    return {(r.family, r.length, r.depth, r.seed): r.score for r in records
+            if r.layout == layout and not r.family.startswith("ppl:")}
+
+
+def compare(records: list[SuiteRecord], ref: str, layout: str) -> Verdict:
+    """The layout's verdict against the reference, over the prompts both answered."""
+    a, b = _by_prompt(records, ref), _by_prompt(records, layout)
+    keys = [k for k in a if k in b]
+    if not keys:
+        raise ValueError(f"no prompt answered by both {ref!r} and {layout!r}")
+    cells = []
+    for fam, length in dict.fromkeys((k[0], k[1]) for k in keys):
+        ks = [k for k in keys if k[:2] == (fam, length)]
+        rm = sum(a[k] for k in ks) / len(ks)
+        cells.append(Cell(fam, length, len(ks), rm, wilson(rm, len(ks)), sum(b[k] for k in ks) / len(ks)))
+    passed = [k for k in keys if a[k] >= 1.0]
+    lost = sum(b[k] < 1.0 for k in passed)
+    ppl_ref = {(r.family[4:], r.length): r.score for r in records if r.layout == ref and r.family.startswith("ppl:")}
+    ppl = {k: (v, r.score) for r in records if r.layout == layout and r.family.startswith("ppl:")
+           for k, v in [((r.family[4:], r.length), ppl_ref.get((r.family[4:], r.length)))] if v is not None}
+    return Verdict(layout, cells, len(passed), lost, ppl)
+
+
+def layouts_of(records: list[SuiteRecord]) -> list[str]:
+    return list(dict.fromkeys(r.layout for r in records))
+
+
+def report(records: list[SuiteRecord], ref: str) -> str:
+    """Markdown: per family and length, every layout's mean (reference with its interval,
+    a cell below it marked), then each layout's verdict line and perplexities."""
+    others = [l for l in layouts_of(records) if l != ref]
+    verdicts = [compare(records, ref, l) for l in others]
+    head = [f"{ref} (95% interval)"] + others
+    lines = ["| family | length | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
+    base = compare(records, ref, ref).cells
+    for i, c in enumerate(base):
+        row = [f"{c.ref_mean:.0%} ({c.ref_interval[0]:.0%}-{c.ref_interval[1]:.0%})"]
+        for v in verdicts:
+            cell = next((x for x in v.cells if (x.family, x.length) == (c.family, c.length)), None)
+            row.append("-" if cell is None else f"{cell.mean:.0%}" + ("" if cell.equal else " **below**"))
+        lines.append(f"| {c.family} | {c.length} | " + " | ".join(row) + " |")
+    lines.append("")
+    for v in verdicts:
+        worst = max((l / r - 1 for r, l in v.ppl.values()), default=0.0)
+        lines.append(f"- {v.layout}: {'EQUAL to' if v.equal else 'NOT equal to'} {ref}; "
+                     f"{sum(not c.equal for c in v.cells)} of {len(v.cells)} cells below the interval; "
+                     f"fails {v.lost} of the {v.ref_passed} prompts {ref} passes ({v.lost_fraction:.1%}, "
+                     f"limit {MAX_LOST:.0%}); mean score {v.mean:.1%} ({ref} "
+                     f"{sum(c.ref_mean for c in v.cells) / max(1, len(v.cells)):.1%}); "
+                     f"perplexity at most {worst:+.1%} over {ref}'s")
+    return "\n".join(lines)
+
+
+def save(records: list[SuiteRecord], path: str | Path) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps([asdict(r) for r in records], indent=0))
+
+
+def load(*paths: str | Path) -> list[SuiteRecord]:
+    return [SuiteRecord(**r) for p in paths for r in json.loads(Path(p).read_text())]
+
+
+def plot_fractions(records: list[SuiteRecord], ref: str, path: str | Path, title: str = "") -> Path:
+    """PNG: each layout's mean suite score against its full fraction, one line per name
+    prefix before the fraction (a method), the reference's mean and interval as a band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    base = compare(records, ref, ref)
+    n = sum(c.n for c in base.cells)
+    lo, hi = wilson(base.mean, n)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.axhspan(lo, hi, color="0.85", label=f"{ref} (95% interval)")
+    ax.axhline(base.mean, color="0.4", lw=1)
+    series: dict[str, list[tuple[float, float, bool]]] = {}
+    for name in layouts_of(records):
+        frac = next((r.full_fraction for r in records if r.layout == name), None)
+        if name == ref or frac is None:
+            continue
+        v = compare(records, ref, name)
+        series.setdefault(name.rsplit("-", 1)[0], []).append((frac, v.mean, v.equal))
+    for label, pts in series.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
+        for f, m, eq in pts:
+            if eq:
+                ax.plot(f, m, "k*", ms=12)
+    ax.set_xlabel("fraction of KV heads full")
+    ax.set_ylabel("mean suite score")
+    ax.set_title(title or f"quality suite against {ref} (* equal to {ref})", fontsize=9)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,176 @@
+"""The quality suite: haystack sources, every family's prompt builder and scorer on
+hand-made examples, the interval and the verdict, and that calibration data is held out
+(no shared source, sentence or needle template)."""
+import pytest
+
+from headwise.calibration import samples as calib
+from headwise.evaluation import families, quality, sources, tasks
+
+
+@pytest.fixture(scope="module")
+def tok(tokenizer_dir):
+    from headwise.tokenizer import Tokenizer
+
+    return Tokenizer.from_path(tokenizer_dir)
+
+
+def test_sources_read_real_prose():
+    assert set(sources.EVAL_SOURCES) == {"licenses", "pydoc", "man"}
+    assert set(sources.CALIB_SOURCES) == {"info", "readme"}
+    for name in sources.SOURCES:
+        sents = sources.sentences(name)
+        assert len(sents) >= 200
+        assert all(sources.MIN_WORDS <= len(s.split()) <= sources.MAX_WORDS and s.endswith(" ") for s in sents)
+    assert any("Python" in s or "object" in s for s in sources.sentences("pydoc"))
+    with pytest.raises(ValueError, match="unknown haystack source"):
+        sources.sentences("essays")
+
+
+def test_roff_text_strips_requests_and_escapes():
+    src = '.TH LS 1\n.SH NAME\nls \\- list directory contents\n.B \\-a\ndo not ignore entries starting with \\fB.\\fR\n'
+    text = sources.roff_text(src)
+    assert "list directory contents" in text and "\\f" not in text and ".TH" not in text and "-a" in text
+
+
+def test_split_sentences_keeps_prose_only():
+    got = sources.split_sentences("See https://x.org for more info here. The quick brown fox jumps over it. "
+                                  "a = b + c * d / e % f; Short one.")
+    assert got == ["The quick brown fox jumps over it. "]
+
+
+def test_calibration_and_evaluation_are_disjoint(tok):
+    # sources: different roles, and no sentence of a calibration source occurs in an eval source
+    assert not set(sources.EVAL_SOURCES) & set(sources.CALIB_SOURCES)
+    held_out = set().union(*(sources.sentences(n) for n in sources.EVAL_SOURCES))
+    for n in sources.CALIB_SOURCES:
+        assert not held_out & set(sources.sentences(n))
+    # needle templates: no template, nor any needle's fixed wording, in common
+    def stems(templates):
+        return {t.split("{")[0].strip().lower() for t in templates if t.split("{")[0].strip()}
+    assert not set(calib.CALIB_TEMPLATES) & set(families.EVAL_TEMPLATES)
+    assert not stems(calib.CALIB_TEMPLATES) & stems(families.EVAL_TEMPLATES)
+    # built prompts: calibration haystacks contain no eval sentence
+    for s in calib.make_samples(tok, 3, (512,), seed=0):
+        body = s.sample.text
+        assert not any(x.strip() in body for x in list(held_out)[:3000] if len(x) > 60)
+        assert s.sample.needles and all(n in body for n in s.sample.needles)
+
+
+@pytest.mark.parametrize("name", list(families.FAMILIES))
+def test_family_prompts_have_length_depth_and_their_answer_once(tok, name):
+    fam = families.FAMILIES[name]
+    for depth, seed in ((0.0, 0), (0.5, 4), (1.0, 8)):
+        s = fam.build(tok, 1024, depth, seed)
+        n = len(tok.encode(s.text))
+        assert abs(n - 1024) <= 0.02 * 1024, (name, n)
+        assert s.answers and all(a for a in s.answers)
+        assert s.text == fam.build(tok, 1024, depth, seed).text  # seeded
+        if s.needles:
+            first = s.needles[0]
+            assert s.text.count(first) == 1, (name, first)
+            at = len(tok.encode(s.text[: s.text.index(first)])) / n
+            assert abs(at - depth) <= 0.06, (name, depth, at)
+            if name in ("number", "phrase", "multikey", "passkey"):
+                # the answer is in the text exactly once, inside the needle
+                ans = s.answers[0] if name != "phrase" else s.answers[-1]
+                assert s.text.lower().count(ans.lower()) == 1 + (name == "passkey"), (name, ans)
+        # the scorer accepts the expected strings and rejects an unrelated answer
+        assert tasks.score(s, " " + " ".join(s.answers) + ".") == 1.0
+        assert tasks.score(s, " I do not know.") == 0.0
+
+
+def test_seeds_cover_every_phrasing_and_source(tok):
+    seen = {(seed % 3, families._source(seed)) for seed in range(15)}
+    assert len(seen) == 9
+    texts = {families.number(tok, 512, 0.5, seed).text.split("\n\n")[-1] for seed in range(3)}
+    assert len(texts) == 3  # three phrasings of the question
+
+
+def test_phrase_scorer_needs_the_copied_words(tok):
+    s = families.phrase(tok, 512, 0.5, seed=0)
+    assert s.answers == families.content_words(s.needles[0].split(" is to ")[-1])
+    full = " " + s.needles[0].split(" is to ")[-1]
+    assert tasks.score(s, full) == 1.0
+    half = " ".join(full.split()[:2])
+    assert 0 < tasks.score(s, half) < 1
+
+
+def test_qa_answer_is_a_span_of_the_document(tok):
+    s = families.qa(tok, 1024, 0.25, seed=1)
+    opening = s.text.split('begins with "')[1].split('"')[0]
+    sentence = next(x for x in s.needles)
+    assert sentence.strip().startswith(opening)
+    rest = sentence.strip()[len(opening):]
+    assert tasks.score(s, rest) == 1.0
+    assert s.text.count(opening) == 2  # in the document once, and quoted by the question
+
+
+def test_fwe_answers_are_the_most_frequent_words(tok):
+    s = families.fwe(tok, 1024, 0.0, seed=2)
+    body = s.text.split("\n\n")[1].split()
+    counts = {w: body.count(w) for w in set(body)}
+    top = sorted(counts, key=counts.get, reverse=True)[:3]
+    assert set(top) == set(s.answers)
+
+
+def test_wilson_interval():
+    lo, hi = quality.wilson(1.0, 15)
+    assert hi == 1.0 and 0.78 < lo < 0.80
+    lo, hi = quality.wilson(0.5, 100)
+    assert lo == pytest.approx(0.404, abs=2e-3) and hi == pytest.approx(0.596, abs=2e-3)
+    assert quality.wilson(0.0, 10)[0] == 0.0
+
+
+def _records(layout, scores, family="number", length=1024):
+    return [quality.SuiteRecord(layout, family, length, d, i, s)
+            for (d, i), s in zip([(d, i) for d in quality.DEPTHS for i in range(3)], scores)]
+
+
+def test_verdict_equal_and_not_equal():
+    ref = _records("full", [1.0] * 15)
+    same = _records("a", [1.0] * 15)
+    worse = _records("b", [1.0] * 11 + [0.0] * 4)       # 73%: below full's interval (78%-100%)
+    v = quality.compare(ref + same, "full", "a")
+    assert v.equal and v.lost == 0 and v.ref_passed == 15
+    v = quality.compare(ref + worse, "full", "b")
+    assert not v.equal and not v.cells[0].equal and v.lost == 4
+    # inside every cell's interval, but losing more than 2% of the prompts full passes
+    many = [r for L in (1024, 2048, 4096) for f in ("number", "phrase") for r in _records("full", [1.0] * 15, f, L)]
+    one_each = [r for L in (1024, 2048, 4096) for f in ("number", "phrase")
+                for r in _records("c", [0.0] + [1.0] * 14, f, L)]
+    v = quality.compare(many + one_each, "full", "c")
+    assert all(c.equal for c in v.cells) and v.lost == 6 and not v.equal
+    text = quality.report(ref + same + worse, "full")
+    assert "below" in text and "NOT equal" in text and "EQUAL to full" in text
+
+
+def test_suite_records_round_trip(tmp_path):
+    recs = _records("full", [1.0, 0.5] + [0.0] * 13)
+    quality.save(recs, tmp_path / "r.json")
+    assert quality.load(tmp_path / "r.json") == recs
+
+
+def test_eval_suite_cli_runs_reports_and_refuses_bad_input(tiny_models, tmp_path):
+    import subprocess
+    import sys
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "headwise.cli", "eval", "--model", str(tiny_models["llama"]),
+                               *args], capture_output=True, text=True, timeout=600)
+
+    out = tmp_path / "suite.json"
+    r = run("--suite", "--head-layout", "window", "--families", "number,qa", "--lengths", "160", "--seeds", "1",
+            "--kv-cache-memory", "64MiB", "--json", str(out), "--plot-dir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    recs = quality.load(out)
+    assert {x.layout for x in recs} == {"full", "window"}
+    assert sum(x.family == "number" for x in recs) == 2 * len(quality.DEPTHS)
+    assert {x.family for x in recs if x.family.startswith("ppl:")} == {f"ppl:{s}" for s in sources.EVAL_SOURCES}
+    assert "| number | 160 |" in r.stdout and "window:" in r.stdout
+    assert (tmp_path / "quality_fractions.png").is_file()
+    # the stored records alone make the same table, and nothing is run again
+    again = run("--report", str(out), "--families", "number,qa", "--lengths", "160")
+    assert again.returncode == 0, again.stderr
+    assert again.stdout.split("\n- ")[0] == r.stdout.split("\n- ")[0]
+    bad = run("--suite", "--families", "number,essays")
+    assert bad.returncode != 0 and "unknown suite family 'essays'" in bad.stderr and "Traceback" not in bad.stderr
