@@ -11,7 +11,7 @@ from headwise.evaluation.suite import equal_bytes_window
 def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
     from headwise.calibration import calibrate
 
-    kw = dict(full_fraction=0.5, sink=4, window=16, num_samples=3, lengths=(96, 128), rounds=1,
+    kw = dict(full_fraction=0.5, sink=4, window=16, num_samples=3, lengths=(96, 128), rounds=1, method="ablation",
               progress=False)
     a = calibrate(str(tiny_models["llama"]), seed=3, **kw)
     b = calibrate(str(tiny_models["llama"]), seed=3, **kw)
@@ -53,7 +53,8 @@ def test_calibration_runs_with_an_int8_kv_cache(tiny_models):
     from headwise.calibration import calibrate
 
     lay = calibrate(str(tiny_models["llama"]), full_fraction=0.5, sink=4, window=16, num_samples=2,
-                    lengths=(96,), rounds=1, progress=False, engine_options={"kv_cache_dtype": "int8"})
+                    lengths=(96,), rounds=1, progress=False, engine_options={"kv_cache_dtype": "int8"},
+                    method="ablation")
     assert sum(lay.num_full(l) for l in range(2)) == 2 and len(lay.scores) == 2
 
 

@@ -172,5 +172,11 @@ def test_eval_suite_cli_runs_reports_and_refuses_bad_input(tiny_models, tmp_path
     again = run("--report", str(out), "--families", "number,qa", "--lengths", "160")
     assert again.returncode == 0, again.stderr
     assert again.stdout.split("\n- ")[0] == r.stdout.split("\n- ")[0]
+    # a layout run alone merges with the reference's records afterwards
+    alone = tmp_path / "alone.json"
+    r = run("--suite", "--no-reference", "--head-layout", "window", "--families", "number", "--lengths", "160",
+            "--seeds", "1", "--kv-cache-memory", "64MiB", "--json", str(alone))
+    assert r.returncode == 0 and "no reference records" in r.stdout, r.stderr
+    assert {x.layout for x in quality.load(alone)} == {"window"}
     bad = run("--suite", "--families", "number,essays")
     assert bad.returncode != 0 and "unknown suite family 'essays'" in bad.stderr and "Traceback" not in bad.stderr

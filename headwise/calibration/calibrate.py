@@ -41,6 +41,9 @@ from headwise.llm import LLM
 from headwise.weights.loader import load_model, read_model_config
 
 METHODS = ("gates", "mass", "ablation")
+# Prompt lengths by method: a gate step is a forward and backward pass over one prompt, so
+# gates train on shorter ones (still past sink + window for most needle depths).
+DEFAULT_LENGTHS = {"gates": (1024, 1536), "mass": (1024, 2048, 3072), "ablation": (1024, 2048, 3072)}
 
 
 @dataclass
@@ -165,14 +168,15 @@ def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEF
 
 def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int = DEFAULT_SINK,
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
-              lengths: tuple[int, ...] = (1024, 2048, 3072), rounds: int = 2,
-              progress: bool = True, engine_options: dict | None = None, method: str = "ablation",
+              lengths: tuple[int, ...] | None = None, rounds: int = 2,
+              progress: bool = True, engine_options: dict | None = None, method: str = "gates",
               steps: int = 64, lr: float = 0.05, l1: float = 0.05) -> HeadLayout:
     """Find a layout keeping `full_fraction` of the candidate KV heads full (every head,
     or those of the full-attention layers of a model with sliding-window layers), ranked by
-    `method` (METHODS). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
+    `method` (METHODS), on prompts of `lengths` (default DEFAULT_LENGTHS). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
     training of "gates" (calibration.gates). Deterministic for a seed."""
     _check(full_fraction, sink, window, method)
+    lengths = tuple(lengths or DEFAULT_LENGTHS[method])
     torch.manual_seed(seed)
     mcfg = read_model_config(model)
     shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)

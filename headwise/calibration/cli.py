@@ -21,8 +21,9 @@ def add_calibrate(sub) -> None:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=24, help="calibration prompts")
-    p.add_argument("--lengths", default="1024,2048,3072", help="prompt lengths in tokens, comma-separated")
-    p.add_argument("--method", choices=METHODS, default="ablation",
+    p.add_argument("--lengths", default=None,
+                   help="prompt lengths in tokens, comma-separated (default 1024,1536 for gates, else 1024,2048,3072)")
+    p.add_argument("--method", choices=METHODS, default="gates",
                    help="how heads are ranked: gates (trained by distillation), mass (attention mass "
                         "outside sink + window), ablation (output change when windowed); docs/quality.md")
     p.add_argument("--rounds", type=int, default=2, help="ablation: re-scoring rounds with the split in place")
@@ -48,7 +49,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     else:
         t0 = time.perf_counter()
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
-                           num_samples=args.samples, lengths=int_list(args.lengths, "--lengths"),
+                           num_samples=args.samples, lengths=int_list(args.lengths, "--lengths") if args.lengths else None,
                            rounds=args.rounds,
                            engine_options=engine_options(args, exclude=("model", "head_layout")),
                            method=args.method, steps=args.steps, lr=args.lr, l1=args.l1)

@@ -83,10 +83,14 @@ class GatedAttention(nn.Module):
                                                  scale=self.scale)
             return out.transpose(0, 1)
         full = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale)
-        win = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self._mask(T, self.sink, self.window),
-                                             scale=self.scale)
+        # Queries before sink + window see all their keys either way: the window output
+        # differs from the full one only after r0.
+        r0 = min(T, self.sink + self.window)
+        win = F.scaled_dot_product_attention(qq[:, r0:], kk, vv, scale=self.scale,
+                                             attn_mask=self._mask(T, self.sink, self.window)[r0:])
         a = torch.where(self.candidate, self.gates[self.layer].clamp(0, 1), 1.0)  # [Hkv]
-        out = a.repeat_interleave(g)[:, None, None] * (full - win) + win
+        tail = a.repeat_interleave(g)[:, None, None] * (full[:, r0:] - win) + win
+        out = torch.cat((full[:, :r0], tail), dim=1)
         for h, w in enumerate(self.windows):  # heads the model itself windows
             if w is not None:
                 s = slice(h * g, (h + 1) * g)

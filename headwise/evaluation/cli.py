@@ -87,13 +87,14 @@ def cmd_suite(args: argparse.Namespace) -> int:
     seeds = args.seeds or quality.SEEDS
     if seeds < 1:
         raise ValueError(f"--seeds must be positive, got {seeds}")
+    lengths = int_list(args.lengths, "--lengths")
     previous = quality.load(*args.report) if args.report else None
     specs = args.head_layout
-    if not args.suite:  # --report alone: the table of the records given
-        specs = []
-    records, text = run_quality(args.model, specs, families, int_list(args.lengths, "--lengths"), seeds,
+    if not args.suite:  # --report alone: the table of the records given, at --lengths
+        specs, previous = [], [r for r in previous if r.length in lengths]
+    records, text = run_quality(args.model, specs, families, lengths, seeds,
                                 args.json, engine_options(args, exclude=("model", "head_layout")), previous,
-                                reference=not args.no_reference)
+                                reference=args.suite and not args.no_reference)
     if text is None:
         print(f"no reference records: {', '.join(quality.layouts_of(records))} written to {args.json}; "
               f"add the reference's with --report for the table")

@@ -156,7 +156,7 @@ def report(records: list[SuiteRecord], ref: str) -> str:
     lines = ["| family | length | " + " | ".join(head) + " |", "|---|---|" + "---|" * len(head)]
     base = compare(records, ref, ref).cells
     for i, c in enumerate(base):
-        row = [f"{c.ref_mean:.0%} ({c.ref_interval[0]:.0%}-{c.ref_interval[1]:.0%})"]
+        row = [f"{c.ref_mean:.0%} ({c.ref_interval[0]:.1%}-{c.ref_interval[1]:.1%})"]
         for v in verdicts:
             cell = next((x for x in v.cells if (x.family, x.length) == (c.family, c.length)), None)
             row.append("-" if cell is None else f"{cell.mean:.0%}" + ("" if cell.equal else " **below**"))
