@@ -32,6 +32,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
 from headwise.calibration.gates import GateSample, train_gates
@@ -173,8 +174,9 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
               steps: int = 64, lr: float = 0.05, l1: float = 0.05) -> HeadLayout:
     """Find a layout keeping `full_fraction` of the candidate KV heads full (every head,
     or those of the full-attention layers of a model with sliding-window layers), ranked by
-    `method` (METHODS), on prompts of `lengths` (default DEFAULT_LENGTHS). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
-    training of "gates" (calibration.gates). Deterministic for a seed."""
+    `method` (METHODS), on prompts of `lengths` (default DEFAULT_LENGTHS). rounds:
+    re-scoring rounds of "ablation"; steps, lr, l1: the gate training of "gates"
+    (calibration.gates). Deterministic for a seed."""
     _check(full_fraction, sink, window, method)
     lengths = tuple(lengths or DEFAULT_LENGTHS[method])
     torch.manual_seed(seed)
@@ -184,15 +186,12 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     candidate = torch.tensor([[s.kind == "full" for s in row] for row in base.heads])
     k = round(full_fraction * int(candidate.sum()))
     name = f"calibrated-{method}-{full_fraction:g}"
-    bar = None
     if method == "gates":
         if (engine_options or {}).get("num_threads"):
             torch.set_num_threads(engine_options["num_threads"])
         net, tokenizer = load_model(model, torch.float32)
         samples = make_samples(tokenizer, num_samples, lengths, seed)
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=steps, desc="training gates", unit="step")
+        bar = tqdm(total=steps, desc="training gates", unit="step", disable=not progress)
         fixed = {l: (0, mcfg.sliding_window) for l in mcfg.sliding_layers}
         result = train_gates(net, [GateSample(s.ids, s.query_rows) for s in samples], candidate, fixed,
                              sink, window, steps, lr, l1, seed, progress=bar)
@@ -202,21 +201,18 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
         llm = LLM(model, head_layout=base, **opts)
         samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=num_samples * (1 + (rounds if method == "ablation" else 0)),
-                       desc="calibrating", unit="prompt")
+        rounds = rounds if method == "ablation" else 0
+        bar = tqdm(total=num_samples * (1 + rounds), desc="calibrating", unit="prompt", disable=not progress)
         first = score_heads(llm, samples, sink, window, bar)
         scores = first.deviation if method == "ablation" else first.outside_mass
-        for _ in range(rounds if method == "ablation" else 0):
+        for _ in range(rounds):
             split = LLM(model, head_layout=_split(name, base, candidate, _top(scores, k, candidate), sink, window),
                         **opts)
             again = score_heads(split, samples, sink, window, bar)
             del split
             # Blend: a head is kept if it matters with every head full or with this split.
             scores = 0.5 * first.deviation + 0.5 * again.deviation
-    if bar is not None:
-        bar.close()
+    bar.close()
     stored = [[round(float(x), 6) if c else None for x, c in zip(row, crow)]
               for row, crow in zip(scores, candidate)]
     return _split(name, base, candidate, _top(scores, k, candidate), sink, window, stored)

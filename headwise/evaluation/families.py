@@ -97,6 +97,15 @@ def _keys(template: int, rng: random.Random, n: int) -> list[str]:
     return rng.sample(pool, n)
 
 
+def _number_needles(rng: random.Random, t: int, keys: int, depth: float):
+    """`keys` number needles of template t: (keys, values, [(depth, needle)]); the first at
+    `depth`, the others at random depths."""
+    ks = _keys(t, rng, keys)
+    vs = [_number(rng) for _ in ks]
+    depths = [depth] + [rng.random() for _ in ks[1:]]
+    return ks, vs, [(d, _needle(NUMBER_TEMPLATES[t][0].format(k=k, v=v))) for d, k, v in zip(depths, ks, vs)]
+
+
 def _sample(family: str, tok, length: int, depth: float, seed: int, needles: list[tuple[float, str]],
             question: str, answers: list[str], source: str) -> tasks.Sample:
     text = tasks._build(tok, length, source, HEAD, needles, "\n\n" + question, seed)
@@ -140,12 +149,9 @@ def multikey(tok, length: int, depth: float, seed: int, keys: int = 4) -> tasks.
     """Several needles of one template with different keys; one is asked for."""
     rng = _rng(seed, length)
     t = seed % 3
-    needle, q = NUMBER_TEMPLATES[t]
-    ks = _keys(t, rng, keys)
-    vs = [_number(rng) for _ in ks]
-    depths = [depth] + [rng.random() for _ in ks[1:]]
-    needles = [(d, _needle(needle.format(k=k, v=v))) for d, k, v in zip(depths, ks, vs)]
-    return _sample("multikey", tok, length, depth, seed, needles, q.format(k=ks[0]), [vs[0]], _source(seed))
+    ks, vs, needles = _number_needles(rng, t, keys, depth)
+    q = NUMBER_TEMPLATES[t][1].format(k=ks[0])
+    return _sample("multikey", tok, length, depth, seed, needles, q, [vs[0]], _source(seed))
 
 
 def multivalue(tok, length: int, depth: float, seed: int, values: int = 4) -> tasks.Sample:
@@ -164,11 +170,7 @@ def multiquery(tok, length: int, depth: float, seed: int, keys: int = 4, asked: 
     """Several needles; several of them asked for in one question."""
     rng = _rng(seed, length)
     t = seed % 3
-    needle = NUMBER_TEMPLATES[t][0]
-    ks = _keys(t, rng, keys)
-    vs = [_number(rng) for _ in ks]
-    depths = [depth] + [rng.random() for _ in ks[1:]]
-    needles = [(d, _needle(needle.format(k=k, v=v))) for d, k, v in zip(depths, ks, vs)]
+    ks, vs, needles = _number_needles(rng, t, keys, depth)
     q = MULTIQUERY_QUESTIONS[t].format(ks=", ".join(ks[:asked - 1]) + " and " + ks[asked - 1])
     return _sample("multiquery", tok, length, depth, seed, needles, q, vs[:asked], _source(seed))
 

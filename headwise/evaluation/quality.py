@@ -137,9 +137,11 @@ def compare(records: list[SuiteRecord], ref: str, layout: str) -> Verdict:
         cells.append(Cell(fam, length, len(ks), rm, wilson(rm, len(ks)), sum(b[k] for k in ks) / len(ks)))
     passed = [k for k in keys if a[k] >= 1.0]
     lost = sum(b[k] < 1.0 for k in passed)
-    ppl_ref = {(r.family[4:], r.length): r.score for r in records if r.layout == ref and r.family.startswith("ppl:")}
-    ppl = {k: (v, r.score) for r in records if r.layout == layout and r.family.startswith("ppl:")
-           for k, v in [((r.family[4:], r.length), ppl_ref.get((r.family[4:], r.length)))] if v is not None}
+    def ppl_of(name: str) -> dict[tuple[str, int], float]:
+        return {(r.family[4:], r.length): r.score for r in records if r.layout == name and r.family.startswith("ppl:")}
+
+    ppl_ref, ppl_lay = ppl_of(ref), ppl_of(layout)
+    ppl = {k: (ppl_ref[k], v) for k, v in ppl_lay.items() if k in ppl_ref}
     return Verdict(layout, cells, len(passed), lost, ppl)
 
 
