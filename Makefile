@@ -3,7 +3,7 @@ PY := .venv/bin/python
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test quality bench bench-gemma bench-engine bench-split clean
+.PHONY: install demo test quality ruler bench bench-gemma bench-engine bench-split clean
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -28,6 +28,17 @@ test: $(STAMP)
 # attention against the shipped layout, 95% intervals and the verdict (about an hour here).
 quality: $(STAMP)
 	.venv/bin/headwise eval --suite --lengths 1024,2048,4096,8000 --json bench/quality/suite.json
+
+# The third-party check: EleutherAI lm-evaluation-harness RULER (its offline tasks) through
+# `headwise serve`, full attention against the shipped layout (benchmarks/ruler_lm_eval.py).
+# lm-eval gets its own venv: for API models it needs no torch, so the pinned one stays out.
+LM_EVAL := .venv-lmeval/bin/lm-eval
+$(LM_EVAL):
+	test -x .venv-lmeval/bin/python || python3 -m venv .venv-lmeval
+	.venv-lmeval/bin/pip install -q 'lm-eval[api]==0.4.13' 'wonderwords==3.0.1' 'nltk==3.10.4' 'transformers==5.24.0'
+
+ruler: $(STAMP) $(LM_EVAL)
+	$(PY) benchmarks/ruler_lm_eval.py --lengths 4096,8192 --limit 10 --out bench/ruler
 
 # Peers side by side. llama-cpp-python builds from source (several minutes, once; cached
 # in .venv); if the build fails its column is skipped with a message. On CPUs that list AMX
@@ -57,4 +68,4 @@ bench-split: $(STAMP)
 	$(PY) benchmarks/bench_head_split.py
 
 clean:
-	rm -rf .venv bench
+	rm -rf .venv .venv-lmeval bench

@@ -8,42 +8,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
-
-import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import machine, start_server  # noqa: E402
 from headwise.bench_serve import run_bench  # noqa: E402
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(layout: str, kv_bytes: int, max_seqs: int):
-    port = _port()
-    cmd = [sys.executable, "-m", "headwise.cli", "serve", "--port", str(port), "--kv-cache-memory", str(kv_bytes),
-           "--max-num-seqs", str(max_seqs), "--max-num-batched-tokens", "4096"]
-    if layout != "default":
-        cmd += ["--head-layout", layout]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.TransportError:
-            time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not start")
 
 
 def main() -> None:
@@ -57,7 +28,9 @@ def main() -> None:
     conc = [int(x) for x in a.concurrency.split(",")]
     rows = []
     for layout in ("full", "default"):
-        proc, url = start_server(layout, int(a.kv_cache_gib * 2**30), max(conc))
+        proc, url = start_server(None if layout == "default" else layout,
+                                 ["--kv-cache-memory", str(int(a.kv_cache_gib * 2**30)), "--max-num-seqs",
+                                  str(max(conc)), "--max-num-batched-tokens", "4096"])
         try:
             for c in conc:
                 r = asyncio.run(run_bench(url, max(4, c), c, a.prompt_tokens, a.max_tokens))

@@ -4,11 +4,15 @@ from __future__ import annotations
 import json
 import os
 import platform
+import socket
 import statistics
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx
 import torch
 
 from headwise.evaluation.passkey import FILLER
@@ -119,3 +123,31 @@ def save(path: str, payload: dict, table: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(payload, indent=1))
     Path(path).with_suffix(".md").write_text(table + "\n")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(layout: str | None, args: list[str], log=subprocess.DEVNULL,
+                 wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+    """`headwise serve` on a free loopback port with `--head-layout layout` (None: the
+    model's default) and further CLI `args`; returns (process, base URL) once /health
+    answers."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "headwise.cli", "serve", "--port", str(port), *args]
+    if layout is not None:
+        cmd += ["--head-layout", layout]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline and proc.poll() is None:
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.TransportError:
+            time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"headwise serve did not start: {' '.join(cmd)}")

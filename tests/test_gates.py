@@ -122,3 +122,29 @@ def test_gated_model_is_the_engines_full_and_window_function(tiny_models, arch):
         with torch.no_grad(), gated(m, torch.full((2, 2), value), cand, {}, 4, 16):
             got = m.lm_head(hidden_states(m, ids, rows, False))
         assert torch.allclose(got, want, atol=2e-4, rtol=1e-4), (value, (got - want).abs().max())
+
+
+def test_closed_gates_rank_by_their_pull_toward_opening():
+    # An L1 pull far stronger than any head's use closes every gate; the ranking still puts
+    # the planted head first, by the distillation gradient that resists the pull.
+    m = planted_model()
+    cand = torch.ones(2, 2, dtype=torch.bool)
+    r = train_gates(m, samples(), cand, {}, SINK, WINDOW, steps=12, lr=0.2, l1=50.0, seed=0)
+    assert (r.scores == 0).all() and (r.gates == 0).all()
+    rank = r.ranking
+    assert (rank <= 0).all() and (rank >= -1).all()
+    flat = rank.flatten().argsort(descending=True).tolist()
+    assert divmod(flat[0], 2) == PLANTED and rank[PLANTED] == 0
+    assert r.pressure[PLANTED] > 10 * max(float(r.pressure[l, h]) for l in range(2) for h in range(2)
+                                          if (l, h) != PLANTED)
+
+
+def test_open_gates_rank_above_closed_ones():
+    m = planted_model()
+    cand = torch.ones(2, 2, dtype=torch.bool)
+    r = train_gates(m, samples(), cand, {}, SINK, WINDOW, steps=40, lr=0.05, l1=0.05, seed=0)
+    rank = r.ranking
+    open_ = r.scores > 0
+    assert torch.equal(rank[open_], r.scores[open_])
+    assert open_.any() and (~open_).any()  # with these settings some gates close, the planted one not
+    assert rank[~open_].max() < rank[open_].min()

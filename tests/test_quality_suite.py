@@ -178,5 +178,13 @@ def test_eval_suite_cli_runs_reports_and_refuses_bad_input(tiny_models, tmp_path
             "--seeds", "1", "--kv-cache-memory", "64MiB", "--json", str(alone))
     assert r.returncode == 0 and "no reference records" in r.stdout, r.stderr
     assert {x.layout for x in quality.load(alone)} == {"window"}
+    # the reference itself can be run alone too (its records merge with the layouts' later)
+    ref_alone = tmp_path / "ref.json"
+    r = run("--suite", "--no-reference", "--head-layout", "full", "--families", "number", "--lengths", "160",
+            "--seeds", "1", "--kv-cache-memory", "64MiB", "--json", str(ref_alone))
+    assert r.returncode == 0, r.stderr
+    assert {x.layout for x in quality.load(ref_alone)} == {"full"}
+    empty = run("--suite", "--no-reference", "--families", "number", "--lengths", "160")
+    assert empty.returncode != 0 and "nothing to run" in empty.stderr and "Traceback" not in empty.stderr
     bad = run("--suite", "--families", "number,essays")
     assert bad.returncode != 0 and "unknown suite family 'essays'" in bad.stderr and "Traceback" not in bad.stderr

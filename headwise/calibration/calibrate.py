@@ -195,7 +195,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         fixed = {l: (0, mcfg.sliding_window) for l in mcfg.sliding_layers}
         result = train_gates(net, [GateSample(s.ids, s.query_rows) for s in samples], candidate, fixed,
                              sink, window, steps, lr, l1, seed, progress=bar)
-        scores = result.scores
+        scores = result.ranking
     else:
         opts = dict(engine_options or {})
         opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)

@@ -95,6 +95,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
     records, text = run_quality(args.model, specs, families, lengths, seeds,
                                 args.json, engine_options(args, exclude=("model", "head_layout")), previous,
                                 reference=args.suite and not args.no_reference)
+    if not records:
+        raise ValueError("nothing to run: give --head-layout with --no-reference, or drop --no-reference")
     if text is None:
         print(f"no reference records: {', '.join(quality.layouts_of(records))} written to {args.json}; "
               f"add the reference's with --report for the table")

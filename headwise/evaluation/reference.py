@@ -8,9 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from headwise.sampling import SamplingParams
-from headwise.tokenizer import Tokenizer
-from headwise.weights.loader import resolve_model_path
-from headwise.weights.registry import cache_dir
+from headwise.weights.loader import load_tokenizer, resolve_model_path
 
 # Tasks the reference runs: generation only (no engine to score prompts with).
 REFERENCE_TASKS = ("passkey", "niah", "ruler")
@@ -29,10 +27,9 @@ class TransformersReference:
         path = resolve_model_path(model)
         if path.is_file():
             self.hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=dtype)
-            self.tokenizer = Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir())
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-            self.tokenizer = Tokenizer.from_path(path)
+        self.tokenizer = load_tokenizer(model)
         self.hf.eval()
 
     @torch.inference_mode()

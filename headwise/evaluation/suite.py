@@ -136,7 +136,9 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         shipped = shipped_layout(cfg.name, shape)
         layout_specs = [] if shipped is None else [shipped]
     todo = []
-    for spec in ([ref_name] if reference else []) + [s for s in layout_specs if s != ref_name]:
+    # Without `reference`, a --head-layout naming the reference still runs: the user asked for it.
+    run = list(dict.fromkeys(([ref_name] if reference else []) + list(layout_specs)))
+    for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
         name = _name(spec, lay)
         missing = [L for L in lengths if (name, L) not in done]

@@ -61,6 +61,14 @@ def read_model_config(model: str | None) -> ModelConfig:
         read_hf_config(path, model_name(path))
 
 
+def load_tokenizer(model: str | None) -> Tokenizer:
+    """The model's tokenizer alone: from a GGUF's metadata (cached per file) or a HF directory."""
+    path = resolve_model_path(model)
+    if path.is_file():
+        return Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir())
+    return Tokenizer.from_path(path)
+
+
 def load_model(model: str | None, dtype: torch.dtype,
                device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
     path = resolve_model_path(model)
@@ -69,10 +77,9 @@ def load_model(model: str | None, dtype: torch.dtype,
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is neither a .gguf file nor a model directory")
         cfg, state = load_gguf(path, name)
-        tokenizer = Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir())
     else:
         cfg, state = load_hf_dir(path, name)
-        tokenizer = Tokenizer.from_path(path)
+    tokenizer = load_tokenizer(model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
