@@ -188,3 +188,23 @@ def test_eval_suite_cli_runs_reports_and_refuses_bad_input(tiny_models, tmp_path
     assert empty.returncode != 0 and "nothing to run" in empty.stderr and "Traceback" not in empty.stderr
     bad = run("--suite", "--families", "number,essays")
     assert bad.returncode != 0 and "unknown suite family 'essays'" in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_suite_run_resumes_by_family(tiny_models, tmp_path):
+    # A run stopped after its first family: given its own records back, the next run
+    # computes only what is missing and keeps what was there.
+    from headwise.evaluation.suite import run_quality
+
+    model = str(tiny_models["llama"])
+    opts = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=8192, max_num_seqs=2)
+    first, _ = run_quality(model, ["window"], ["number", "qa"], [160], seeds=1, json_path=tmp_path / "a.json",
+                           engine_options=opts, reference=False)
+    stopped = [r for r in first if r.family == "number"]
+    for r in stopped:
+        r.output = "kept"  # a mark that recomputing would overwrite
+    again, _ = run_quality(model, ["window"], ["number", "qa"], [160], seeds=1, json_path=tmp_path / "b.json",
+                           engine_options=opts, previous=stopped, reference=False)
+    assert [r.output for r in again if r.family == "number"] == ["kept"] * len(quality.DEPTHS)
+    key = lambda r: (r.family, r.depth, r.seed)  # noqa: E731
+    assert sorted(map(key, again)) == sorted(map(key, first))
+    assert quality.load(tmp_path / "b.json") == again

@@ -46,8 +46,9 @@ def add_eval(sub) -> None:
                         "instead of --tasks; --seeds defaults to 3")
     p.add_argument("--families", default=",".join(FAMILIES), help="suite families, comma-separated")
     p.add_argument("--report", action="append", default=[], metavar="JSON",
-                   help="suite records of earlier runs (--suite --json) to add to the table; layouts "
-                        "they hold are not run again (repeatable)")
+                   help="suite records of earlier runs (--suite --json) to add to the table; a layout's "
+                        "family and length they hold is not run again, so giving a stopped run's own "
+                        "--json back resumes it (repeatable)")
     p.add_argument("--no-reference", action="store_true",
                    help="suite: run only the --head-layout layouts, not the reference (merge with its "
                         "records later through --report)")
@@ -96,7 +97,8 @@ def cmd_suite(args: argparse.Namespace) -> int:
                                 args.json, engine_options(args, exclude=("model", "head_layout")), previous,
                                 reference=args.suite and not args.no_reference)
     if not records:
-        raise ValueError("nothing to run: give --head-layout with --no-reference, or drop --no-reference")
+        raise ValueError("nothing to run: give --head-layout with --no-reference, or drop --no-reference"
+                         if args.suite else f"the reports hold no records at --lengths {args.lengths}")
     if text is None:
         print(f"no reference records: {', '.join(quality.layouts_of(records))} written to {args.json}; "
               f"add the reference's with --report for the table")

@@ -120,18 +120,20 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
                 engine_options: dict | None = None, previous: list[quality.SuiteRecord] | None = None,
                 reference: bool = True):
     """The quality suite (evaluation.quality) for the reference and each layout; records
-    of `previous` runs (--report) join the table, and a (layout, length) they already hold
-    is not run again, so runs over different lengths merge. Records are written to
-    `json_path` after every length. reference=False runs only the layouts given (their
-    records merge with the reference's later, through --report). Returns (records,
-    markdown; None without the reference's records)."""
+    of `previous` runs (--report) join the table, and a (layout, family, length) they
+    already hold is not run again, so runs over different lengths or families merge.
+    Records are written to `json_path` after every family, so a run stopped part-way
+    resumes when its own file is given back as `previous`. reference=False runs only the
+    layouts given (their records merge with the reference's later, through --report).
+    Returns (records, markdown; None without the reference's records)."""
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
     cfg = read_model_config(model)
     native = native_layout(cfg)
     ref_name = "native" if native else "full"
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     records = list(previous or [])
-    done = {(r.layout, r.length) for r in records}
+    # What the records hold, by (layout, family, length); perplexity counts as family "ppl".
+    done = {(r.layout, "ppl" if r.family.startswith("ppl:") else r.family, r.length) for r in records}
     if layout_specs is None:
         shipped = shipped_layout(cfg.name, shape)
         layout_specs = [] if shipped is None else [shipped]
@@ -141,15 +143,16 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
         name = _name(spec, lay)
-        missing = [L for L in lengths if (name, L) not in done]
-        if missing:
-            todo.append((name, lay, missing))
-    per = len(families) * len(quality.DEPTHS) * seeds
-    bar = tqdm(total=per * sum(len(ls) for _, _, ls in todo), desc="quality suite", unit="prompt")
-    for name, lay, missing in todo:
+        work = [(L, f) for L in lengths for f in [*families, "ppl"] if (name, f, L) not in done]
+        if work:
+            todo.append((name, lay, work))
+    per = len(quality.DEPTHS) * seeds
+    bar = tqdm(total=per * sum(f != "ppl" for _, _, w in todo for _, f in w), desc="quality suite", unit="prompt")
+    for name, lay, work in todo:
         llm = LLM(model, **{**opts, "head_layout": lay})
-        for L in missing:
-            records += quality.run_suite(llm, name, families, [L], seeds, progress=bar)
+        for L, fam in work:  # saved after every family, so an interrupted run resumes (--report)
+            records += quality.run_suite(llm, name, [] if fam == "ppl" else [fam], [L], seeds,
+                                         ppl=fam == "ppl", progress=bar)
             if json_path:
                 quality.save(records, json_path)
         del llm
