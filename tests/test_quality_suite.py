@@ -208,3 +208,11 @@ def test_suite_run_resumes_by_family(tiny_models, tmp_path):
     key = lambda r: (r.family, r.depth, r.seed)  # noqa: E731
     assert sorted(map(key, again)) == sorted(map(key, first))
     assert quality.load(tmp_path / "b.json") == again
+
+
+def test_method_of_drops_fraction_and_window():
+    assert quality.method_of("smollm2-gates-33-w512") == "smollm2-gates"
+    assert quality.method_of("smollm2-gates") == "smollm2-gates"
+    assert quality.method_of("smollm2-calibrated-22-w512") == "smollm2-calibrated"
+    assert quality.method_of("mass-0.25") == "mass"
+    assert quality.method_of("window") == "window"

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -184,9 +185,15 @@ def load(*paths: str | Path) -> list[SuiteRecord]:
     return [SuiteRecord(**r) for p in paths for r in json.loads(Path(p).read_text())]
 
 
+def method_of(layout: str) -> str:
+    """A layout name less its trailing fraction and window ("smollm2-gates-33-w512" ->
+    "smollm2-gates"): the series a layout belongs to in the fraction plot."""
+    return re.sub(r"(-\d+(\.\d+)?)?(-w\d+)?$", "", layout) or layout
+
+
 def plot_fractions(records: list[SuiteRecord], ref: str, path: str | Path, title: str = "") -> Path:
-    """PNG: each layout's mean suite score against its full fraction, one line per name
-    prefix before the fraction (a method), the reference's mean and interval as a band."""
+    """PNG: each layout's mean suite score against its full fraction, one line per method
+    (method_of), the reference's mean and interval as a band."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +211,7 @@ def plot_fractions(records: list[SuiteRecord], ref: str, path: str | Path, title
         if name == ref or frac is None:
             continue
         v = compare(records, ref, name)
-        series.setdefault(name.rsplit("-", 1)[0], []).append((frac, v.mean, v.equal))
+        series.setdefault(method_of(name), []).append((frac, v.mean, v.equal))
     for label, pts in series.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
