@@ -192,8 +192,9 @@ def method_of(layout: str) -> str:
 
 
 def plot_fractions(records: list[SuiteRecord], ref: str, path: str | Path, title: str = "") -> Path:
-    """PNG: each layout's mean suite score against its full fraction, one line per method
-    (method_of), the reference's mean and interval as a band."""
+    """PNG, two panels against the full fraction, one line per method (method_of): each
+    layout's mean suite score (the reference's mean and interval as a band), and the share
+    of the prompts the reference passes that the layout fails (MAX_LOST as a line)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -202,26 +203,31 @@ def plot_fractions(records: list[SuiteRecord], ref: str, path: str | Path, title
     base = compare(records, ref, ref)
     n = sum(c.n for c in base.cells)
     lo, hi = wilson(base.mean, n)
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (ax, ax_lost) = plt.subplots(1, 2, figsize=(10, 4))
     ax.axhspan(lo, hi, color="0.85", label=f"{ref} (95% interval)")
     ax.axhline(base.mean, color="0.4", lw=1)
-    series: dict[str, list[tuple[float, float, bool]]] = {}
+    ax_lost.axhline(MAX_LOST, color="0.4", lw=1, ls="--", label=f"limit ({MAX_LOST:.0%})")
+    series: dict[str, list[tuple[float, Verdict]]] = {}
     for name in layouts_of(records):
         frac = next((r.full_fraction for r in records if r.layout == name), None)
         if name == ref or frac is None:
             continue
-        v = compare(records, ref, name)
-        series.setdefault(method_of(name), []).append((frac, v.mean, v.equal))
+        series.setdefault(method_of(name), []).append((frac, compare(records, ref, name)))
     for label, pts in series.items():
-        pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "-o", label=label)
-        for f, m, eq in pts:
-            if eq:
-                ax.plot(f, m, "k*", ms=12)
-    ax.set_xlabel("fraction of KV heads full")
+        pts.sort(key=lambda p: p[0])
+        fracs = [f for f, _ in pts]
+        ax.plot(fracs, [v.mean for _, v in pts], "-o", label=label)
+        ax_lost.plot(fracs, [v.lost_fraction for _, v in pts], "-o", label=label)
+        for f, v in pts:
+            if v.equal:
+                ax.plot(f, v.mean, "k*", ms=12)
+                ax_lost.plot(f, v.lost_fraction, "k*", ms=12)
+    for a in (ax, ax_lost):
+        a.set_xlabel("fraction of KV heads full")
+        a.legend(fontsize=7)
     ax.set_ylabel("mean suite score")
-    ax.set_title(title or f"quality suite against {ref} (* equal to {ref})", fontsize=9)
-    ax.legend(fontsize=7)
+    ax_lost.set_ylabel(f"share of {ref}'s passed prompts failed")
+    fig.suptitle(title or f"quality suite against {ref} (* equal to {ref})", fontsize=9)
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
