@@ -117,19 +117,19 @@ def main(argv: list[str] | None = None) -> int:
                                       out / name.replace("/", "_"), env, log)
                     for t, v in got.items():
                         scores.setdefault(name, {})[(t, length)] = v
-                    print(f"{name} @ {length}: " + ", ".join(f"{t} {v:.1f}" for t, v in got.items()), flush=True)
+                    print(f"{name} @ {length}: " + ", ".join(f"{t} {100 * v:.1f}%" for t, v in got.items()), flush=True)
             finally:
                 proc.terminate()
                 proc.wait(timeout=120)
     names = list(scores)
     lines = [f"Machine: {machine()}; lm-eval RULER through `headwise serve`, {a.limit} samples per task "
-             f"and length, greedy", "", "| task | length | " + " | ".join(names) + " |",
+             f"and length, greedy; scores in %", "", "| task | length | " + " | ".join(names) + " |",
              "|---|---|" + "---|" * len(names)]
     for length in lengths:
         for t in tasks:
-            lines.append(f"| {t} | {length} | " + " | ".join(f"{scores[n][(t, length)]:.1f}" for n in names) + " |")
+            lines.append(f"| {t} | {length} | " + " | ".join(f"{100 * scores[n][(t, length)]:.1f}" for n in names) + " |")
         lines.append(f"| mean | {length} | " + " | ".join(
-            f"{sum(scores[n][(t, length)] for t in tasks) / len(tasks):.1f}" for n in names) + " |")
+            f"{100 * sum(scores[n][(t, length)] for t in tasks) / len(tasks):.1f}" for n in names) + " |")
     table = "\n".join(lines)
     print("\n" + table)
     (out / "ruler.json").write_text(json.dumps(
