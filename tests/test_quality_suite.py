@@ -216,3 +216,17 @@ def test_method_of_drops_fraction_and_window():
     assert quality.method_of("smollm2-calibrated-22-w512") == "smollm2-calibrated"
     assert quality.method_of("mass-0.25") == "mass"
     assert quality.method_of("window") == "window"
+
+
+def test_suite_runs_layout_objects_beside_the_reference(tiny_models):
+    # `make quality` passes the shipped layout as a HeadLayout, not a name
+    from headwise.cache.layout import HeadLayout
+    from headwise.evaluation.suite import run_quality
+
+    model = str(tiny_models["llama"])
+    lay = HeadLayout.window((2, 2, 16), sink=4, window=16)
+    lay.name = "tiny-window"
+    recs, text = run_quality(model, [lay], ["number"], [160], seeds=1,
+                             engine_options=dict(kv_cache_memory=64 << 20, max_num_batched_tokens=8192, max_num_seqs=2))
+    assert quality.layouts_of(recs) == ["full", "tiny-window"]
+    assert "tiny-window: " in text

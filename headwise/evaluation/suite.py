@@ -139,7 +139,7 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         layout_specs = [] if shipped is None else [shipped]
     todo = []
     # Without `reference`, a --head-layout naming the reference still runs: the user asked for it.
-    run = list(dict.fromkeys(([ref_name] if reference else []) + list(layout_specs)))
+    run = ([ref_name] if reference else []) + [s for s in layout_specs if not (reference and s == ref_name)]
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
         name = _name(spec, lay)
