@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -177,8 +178,13 @@ def report(records: list[SuiteRecord], ref: str) -> str:
 
 
 def save(records: list[SuiteRecord], path: str | Path) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps([asdict(r) for r in records], indent=0))
+    """Written beside and renamed over `path`, so a run stopped mid-write keeps the last
+    complete file (runs resume from it)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps([asdict(r) for r in records], indent=0))
+    os.replace(tmp, path)
 
 
 def load(*paths: str | Path) -> list[SuiteRecord]:
