@@ -140,7 +140,7 @@ def start_server(layout: str | None, args: list[str], log=subprocess.DEVNULL,
     cmd = [sys.executable, "-m", "headwise.cli", "serve", "--port", str(port), *args]
     if layout is not None:
         cmd += ["--head-layout", layout]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else log)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)  # both to `log`
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline and proc.poll() is None:
