@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tqdm import tqdm
+
 from headwise.config import EngineConfig
 from headwise.engine.llm_engine import LLMEngine
 from headwise.engine.sequence import Sequence
@@ -10,7 +12,30 @@ from headwise.sampling import SamplingParams
 
 
 @dataclass
+class CompletionOutput:
+    """One choice of a prompt (SamplingParams.n of them)."""
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[float] | None
+    top_logprobs: list[dict[int, float]] | None
+    num_cached_tokens: int          # prompt tokens this choice found in the prefix cache
+    error: str | None = None        # why it failed (finish_reason "abort"), e.g. a grammar past its limits
+
+    @classmethod
+    def from_seq(cls, index: int, seq: Sequence) -> "CompletionOutput":
+        has_lp = seq.params.logprobs is not None
+        return cls(index, seq.output_text, list(seq.output_token_ids), seq.finish_reason,
+                   list(seq.logprobs) if has_lp else None,
+                   list(seq.top_logprobs) if has_lp and seq.params.logprobs else None,
+                   seq.num_cached_tokens or 0, seq.error)
+
+
+@dataclass
 class RequestOutput:
+    """A prompt's result. text, token_ids, finish_reason, logprobs and top_logprobs are
+    its first choice's; `outputs` holds every choice (one unless SamplingParams.n > 1)."""
     request_id: str
     prompt_token_ids: list[int]
     text: str
@@ -21,23 +46,20 @@ class RequestOutput:
     ttft_s: float | None
     latency_s: float | None
     num_preemptions: int
-    num_cached_tokens: int          # prompt tokens served from the prefix cache
+    num_cached_tokens: int          # prompt tokens served from the prefix cache (first choice)
+    outputs: list[CompletionOutput]
 
     @classmethod
-    def from_seq(cls, seq: Sequence) -> "RequestOutput":
-        has_lp = seq.params.logprobs is not None
+    def from_seqs(cls, seqs: list[Sequence]) -> "RequestOutput":
+        first = seqs[0]
+        outputs = [CompletionOutput.from_seq(i, s) for i, s in enumerate(seqs)]
+        o = outputs[0]
         return cls(
-            request_id=seq.request_id,
-            prompt_token_ids=seq.prompt_token_ids,
-            text=seq.output_text,
-            token_ids=list(seq.output_token_ids),
-            finish_reason=seq.finish_reason,
-            logprobs=list(seq.logprobs) if has_lp else None,
-            top_logprobs=list(seq.top_logprobs) if has_lp and seq.params.logprobs else None,
-            ttft_s=seq.ttft_s,
-            latency_s=seq.latency_s,
-            num_preemptions=seq.num_preemptions,
-            num_cached_tokens=seq.num_cached_tokens or 0,
+            request_id=first.request_id, prompt_token_ids=first.prompt_token_ids, text=o.text,
+            token_ids=o.token_ids, finish_reason=o.finish_reason, logprobs=o.logprobs,
+            top_logprobs=o.top_logprobs, ttft_s=first.ttft_s, latency_s=first.latency_s,
+            num_preemptions=sum(s.num_preemptions for s in seqs), num_cached_tokens=o.num_cached_tokens,
+            outputs=outputs,
         )
 
 
@@ -70,20 +92,26 @@ class LLM:
         else:
             per_prompt = [params or SamplingParams()] * len(prompts)
         # Validate every prompt before any is queued, so bad input leaves nothing behind.
+        # Each prompt's n choices are sequences of their own (seeds + i); choices after the
+        # first are queued once the first has prefilled the prompt, so they find it in
+        # the prefix cache instead of computing it again.
         encoded = [self.engine.encode(p) for p in prompts]
+        groups: list[list[Sequence]] = []
         for ids, p in zip(encoded, per_prompt):
             self.engine.check_length(len(ids), p.max_tokens)
-        seqs: list[Sequence] = []
+            groups.append([self.engine.new_sequence(ids, p.for_choice(i)) for i in range(p.n)])
+        queued: list[Sequence] = []
         try:
-            for ids, p in zip(encoded, per_prompt):
-                seqs.append(self.engine.add_request(ids, p))
-            self._run(seqs, use_tqdm and len(seqs) > 1)
+            for g in groups:
+                self.engine.scheduler.add(g[0])
+                queued.append(g[0])
+            self._run(groups, queued, use_tqdm and len(queued) > 1)
         except BaseException:
-            for s in seqs:
+            for s in queued:
                 if not s.is_finished:
                     self.engine.abort(s)
             raise
-        return [RequestOutput.from_seq(s) for s in seqs]
+        return [RequestOutput.from_seqs(g) for g in groups]
 
     def chat(self, messages, params: "SamplingParams | list[SamplingParams] | None" = None,
              use_tqdm: bool = True) -> list[RequestOutput]:
@@ -93,16 +121,19 @@ class LLM:
         prompts = [self.tokenizer.encode_chat(c) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
-    def _run(self, seqs: list[Sequence], progress: bool) -> None:
-        bar = None
-        if progress:
-            from tqdm import tqdm
-            bar = tqdm(total=len(seqs), desc="generating", unit="req")
+    def _run(self, groups: list[list[Sequence]], queued: list[Sequence], progress: bool) -> None:
+        bar = tqdm(total=len(groups), desc="generating", unit="req") if progress else None
+        waiting = [g for g in groups if len(g) > 1]  # choices not queued yet
         done = 0
         while self.engine.has_unfinished():
             self.engine.step()
+            for g in [g for g in waiting if g[0].output_token_ids or g[0].is_finished]:
+                waiting.remove(g)
+                for s in g[1:]:
+                    self.engine.scheduler.add(s)
+                    queued.append(s)
             if bar is not None:
-                now = sum(s.is_finished for s in seqs)
+                now = sum(all(s.is_finished for s in g) for g in groups)
                 bar.update(now - done)
                 done = now
         if bar is not None:

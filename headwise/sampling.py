@@ -1,10 +1,13 @@
 """SamplingParams: validated per-request sampling settings."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from headwise.errors import InvalidParameterError
+from headwise.structured import StructuredOutputs
 
 GREEDY_BELOW = 1e-5
+MAX_N = 128
 
 
 @dataclass
@@ -18,12 +21,27 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None    # None: none; 0: chosen token only; k: plus top-k
+    # Choices per prompt; choice i > 0 samples with seed + i when a seed is given (vLLM).
+    n: int = 1
+    min_p: float = 0.0             # drop tokens whose probability is below min_p x the top one's
+    # vLLM's penalties: presence / frequency subtract from the logits of tokens already
+    # generated (once / per occurrence); repetition divides positive logits (multiplies
+    # negative ones) of tokens in the prompt or the output; 1 is off.
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
+    min_tokens: int = 0            # no EOS, stop token or stop string before this many tokens
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise InvalidParameterError("logit_bias", "logit_bias must map token ids to biases")
+        bias = self.logit_bias or {}
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
              and self.max_tokens >= 1, f"must be an integer >= 1, got {self.max_tokens!r}"),
@@ -42,6 +60,20 @@ class SamplingParams:
              "must be a non-empty string or a list of non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be a list of non-negative integers"),
+            ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}], got {self.n!r}"),
+            ("min_p", _is_num(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p!r}"),
+            ("presence_penalty", _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
+             f"must be in [-2, 2], got {self.presence_penalty!r}"),
+            ("frequency_penalty", _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
+             f"must be in [-2, 2], got {self.frequency_penalty!r}"),
+            ("repetition_penalty", _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 1e4,
+             f"must be > 0, got {self.repetition_penalty!r}"),
+            ("logit_bias", all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in bias.items()),
+             "must map non-negative token ids to numbers in [-100, 100]"),
+            ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
+             f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
+            ("structured_outputs", self.structured_outputs is None
+             or isinstance(self.structured_outputs, StructuredOutputs), "must be a StructuredOutputs"),
         ]
         for name, ok, msg in checks:
             if not ok:
@@ -52,11 +84,18 @@ class SamplingParams:
         # Dividing logits by a temperature this small overflows them (vLLM's threshold).
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
-class InvalidParameterError(ValueError):
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(message)
-        self.param = param
+    def for_choice(self, i: int) -> "SamplingParams":
+        """Choice i's own params (n = 1; seed + i when seeded, so the choices differ)."""
+        seed = self.seed if self.seed is None or i == 0 else (self.seed + i) % (1 << 64)
+        return replace(self, n=1, seed=seed)
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
 
 
 def _is_num(x) -> bool:

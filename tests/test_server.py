@@ -169,7 +169,7 @@ def test_32_concurrent_streams(server, offline):
     (b'{"prompt": "hi", "top_p": 0}', 400, "top_p", "invalid_parameter"),
     (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens", "invalid_parameter"),
     (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens", "invalid_parameter"),
-    (b'{"prompt": "hi", "n": 2}', 400, "n", "unsupported_parameter"),
+    (b'{"prompt": "hi", "n": 2, "best_of": 3}', 400, "best_of", "unsupported_parameter"),
     (b'{"prompt": "hi", "model": "gpt-9"}', 400, "model", "model_not_found"),
     (b'{"prompt": 5}', 400, "prompt", "invalid_parameter"),
     (b'{"prompt": "hi", "max_tokens": 600}', 400, "max_tokens", "context_length_exceeded"),

@@ -25,16 +25,17 @@ class IncrementalDetokenizer:
         self.tokens_decoded += end - self.prefix_offset
         return self.tokenizer.decode(token_ids[self.prefix_offset:end])
 
-    def step(self, token_ids: list[int]) -> bool:
+    def step(self, token_ids: list[int], check_stop: bool = True) -> bool:
         """Take the output so far (one new token since the last call); extend `text`.
-        Returns True when a stop string matched (`text` then ends before it)."""
+        Returns True when a stop string matched (`text` then ends before it); with
+        check_stop=False (before min_tokens) none is looked for in this token's text."""
         prefix = self._tail(token_ids, self.read_offset)
         full = self._tail(token_ids, len(token_ids))
         if len(full) <= len(prefix) or full.endswith("\ufffd"):
             return False  # nothing printable yet (a half-decoded character)
         new = full[len(prefix):]
         self.prefix_offset, self.read_offset = self.read_offset, len(token_ids)
-        return self._append(new)
+        return self._append(new, check_stop)
 
     def flush(self, token_ids: list[int]) -> None:
         """At the end: emit whatever is held back, a partial character included."""
@@ -44,10 +45,10 @@ class IncrementalDetokenizer:
             self._append(full[len(prefix):])
         self.prefix_offset = self.read_offset = len(token_ids)
 
-    def _append(self, new: str) -> bool:
+    def _append(self, new: str, check_stop: bool = True) -> bool:
         old = len(self.text)
         self.text += new
-        if not self.stop:
+        if not self.stop or not check_stop:
             return False
         # A match must end in the new text: scan from max_stop - 1 characters before it.
         lo = max(0, old - self.max_stop + 1)

@@ -13,9 +13,11 @@ from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
+from headwise.engine.grammar import GrammarCompiler, consume
 from headwise.engine.sequence import Sequence
 from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
+from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
 from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_model, model_identity,
                                      release_freed_heap)
@@ -35,6 +37,20 @@ def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
     if bad:
         raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
     return list(prompt)
+
+
+def check_params(params: SamplingParams, vocab_size: int) -> None:
+    if params.n != 1:
+        raise InvalidParameterError("n", "the engine takes one choice per sequence; use LLM.generate or "
+                                    "the server for n > 1 (SamplingParams.for_choice)")
+    far = [t for t in (params.logit_bias or {}) if t >= vocab_size]
+    if far:
+        raise InvalidParameterError("logit_bias", f"logit_bias: token id {far[0]} is outside the vocabulary "
+                                    f"(size {vocab_size})")
+    far = [t for t in params.stop_token_ids if t >= vocab_size]
+    if far:
+        raise InvalidParameterError("stop_token_ids", f"stop_token_ids: token id {far[0]} is outside the "
+                                    f"vocabulary (size {vocab_size})")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -105,6 +121,7 @@ class LLMEngine:
         self.eos_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
+        self.grammar = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
 
     # ---- requests -----------------------------------------------------------------
     def encode(self, prompt: "str | list[int]") -> list[int]:
@@ -115,11 +132,24 @@ class LLMEngine:
     def check_length(self, num_prompt_tokens: int, max_tokens: int) -> None:
         check_length(num_prompt_tokens, max_tokens, self.max_model_len)
 
+    def check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this vocabulary, and
+        one choice per sequence (the LLM and the server fan n out into choices)."""
+        check_params(params, self.model_config.vocab_size)
+
+    def new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
+        """A checked sequence, its structured-output matcher compiled (on this thread)."""
+        self.check_params(params)
+        seq = Sequence(ids, params, request_id)
+        if params.structured_outputs is not None:
+            seq.matcher = self.grammar.matcher(params.structured_outputs)
+        return seq
+
     def add_request(self, prompt: "str | list[int]", params: SamplingParams,
                     request_id: str | None = None) -> Sequence:
         ids = self.encode(prompt)
         self.check_length(len(ids), params.max_tokens)
-        seq = Sequence(ids, params, request_id)
+        seq = self.new_sequence(ids, params, request_id)
         self.scheduler.add(seq)
         return seq
 
@@ -145,7 +175,7 @@ class LLMEngine:
         self._run_cache_copies()  # window-state snapshots planned at this step's ends
         if not seqs:
             return []
-        results = sample(logits, seqs)
+        results = sample(logits, seqs, self.eos_ids, self.grammar)
         now = time.perf_counter()
         for seq, r in zip(seqs, results):
             self._append(seq, r, now)
@@ -175,6 +205,12 @@ class LLMEngine:
         return self.cache.reset_prefix_cache()
 
     def _append(self, seq: Sequence, r, now: float) -> None:
+        if seq.matcher is not None and seq.matcher.is_error():
+            # The grammar hit one of llguidance's limits at this step; its token is dropped.
+            seq.error = f"structured output failed: {seq.matcher.get_error().strip()}"
+            seq.finish_reason, seq.finish_time = "abort", now
+            self.scheduler.finish(seq)
+            return
         seq.output_token_ids.append(r.token)
         if seq.first_token_time is None:
             seq.first_token_time = now
@@ -188,11 +224,16 @@ class LLMEngine:
         if detok is None:
             detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop)
         reason = None
+        grammar_done = seq.matcher is not None and consume(seq.matcher, r.token)
         if r.token in p.stop_token_ids or (not p.ignore_eos and r.token in self.eos_ids):
             reason = "stop"
             detok.flush(seq.output_token_ids)
-        elif detok.step(seq.output_token_ids):
+        # Before min_tokens the sampler masked the stop tokens, and stop strings wait (vLLM).
+        elif detok.step(seq.output_token_ids, check_stop=len(seq.output_token_ids) >= p.min_tokens):
             reason = "stop"
+        elif grammar_done:
+            reason = "stop"  # nothing but the end can follow
+            detok.flush(seq.output_token_ids)
         elif len(seq.output_token_ids) >= p.max_tokens or seq.num_tokens >= self.max_model_len:
             reason = "length"
             detok.flush(seq.output_token_ids)

@@ -1,10 +1,17 @@
-"""Turn logits into tokens: greedy, temperature, top-k, top-p, per-request seeds."""
+"""Turn logits into tokens: logits processors (grammar masks, min_tokens, logit bias,
+penalties), then greedy, or temperature, min-p, top-k, top-p with per-request seeds.
+
+The processors run in vLLM's order: the structured-output mask, min_tokens, logit_bias,
+repetition / frequency / presence penalties; then temperature and min-p. Logprobs are
+those of the model's raw distribution, before any of them, as vLLM reports by default.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
+from headwise.engine.grammar import GrammarCompiler
 from headwise.engine.sequence import Sequence
 
 
@@ -15,13 +22,15 @@ class SampleResult:
     top_logprobs: dict[int, float] | None
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
-    # logits: [S, V] float32, one row per sequence. Logprobs are those of the model's raw
-    # distribution (before temperature / top-k / top-p), as OpenAI-style servers report;
-    # computed only when a request asks for them (a log-softmax over the vocabulary is
-    # ~0.2 ms a step on the CPU at batch 1).
+def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: "set[int] | frozenset[int]" = frozenset(),
+           grammar: GrammarCompiler | None = None) -> list[SampleResult]:
+    # logits: [S, V] float32, one row per sequence. The raw logprobs are computed only
+    # when a request asks for them (a log-softmax over the vocabulary is ~0.2 ms a step
+    # on the CPU at batch 1).
     wanted = any(s.params.logprobs is not None for s in seqs)
     logprobs = torch.log_softmax(logits, dim=-1) if wanted else None
+    if any(_processed(s) for s in seqs):
+        logits = _process(logits.clone(), seqs, eos_ids, grammar)
     results = []
     greedy = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
@@ -29,7 +38,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
         if p.greedy:
             tok = greedy[i]
         else:
-            tok = _sample_row(logits[i], p.temperature, p.top_k, p.top_p, seq.generator)
+            tok = _sample_row(logits[i], p.temperature, p.top_k, p.top_p, p.min_p, seq.generator)
         top = lp = None
         if p.logprobs is not None:
             lp = float(logprobs[i, tok])
@@ -40,9 +49,53 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[SampleResult]:
     return results
 
 
-def _sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float,
+def _processed(seq: Sequence) -> bool:
+    p = seq.params
+    return (seq.matcher is not None or bool(p.logit_bias) or p.penalised
+            or len(seq.output_token_ids) < p.min_tokens)
+
+
+def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: GrammarCompiler | None) -> torch.Tensor:
+    rows = [i for i, s in enumerate(seqs) if s.matcher is not None]
+    if rows:
+        if grammar is None:
+            raise RuntimeError("a sequence has a grammar matcher but the sampler got no GrammarCompiler")
+        grammar.mask(logits, rows, [seqs[i].matcher for i in rows])
+    for i, seq in enumerate(seqs):
+        p, x = seq.params, logits[i]
+        # A grammar that is complete allows only its end; that wins over min_tokens.
+        if len(seq.output_token_ids) < p.min_tokens and not (seq.matcher is not None and seq.matcher.is_accepting()):
+            stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
+            x[torch.tensor(sorted(stops), dtype=torch.long)] = float("-inf")
+        if p.logit_bias:
+            ids = torch.tensor(list(p.logit_bias), dtype=torch.long)
+            x.index_add_(0, ids, torch.tensor(list(p.logit_bias.values()), dtype=x.dtype))
+        if p.penalised:
+            _penalise(x, seq)
+    return logits
+
+
+def _penalise(x: torch.Tensor, seq: Sequence) -> None:
+    # x: [V], edited in place. Counts are over the generated tokens (presence, frequency)
+    # and over prompt + generated ones (repetition), as in vLLM.
+    p = seq.params
+    out = torch.tensor(seq.output_token_ids, dtype=torch.long)
+    if p.repetition_penalty != 1.0:
+        seen = torch.zeros(x.shape[0], dtype=torch.bool)
+        seen[seq.prompt_ids_tensor()] = True
+        seen[out] = True
+        x[seen] = torch.where(x[seen] > 0, x[seen] / p.repetition_penalty, x[seen] * p.repetition_penalty)
+    if (p.frequency_penalty or p.presence_penalty) and out.numel():
+        counts = torch.bincount(out, minlength=x.shape[0])[: x.shape[0]].to(x.dtype)
+        x -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(x.dtype)
+
+
+def _sample_row(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min_p: float,
                 generator: torch.Generator | None) -> int:
     x = logits / temperature
+    if min_p > 0:
+        probs = torch.softmax(x, dim=-1)
+        x = x.masked_fill(probs < min_p * probs.max(), float("-inf"))
     if top_k > 0 and top_k < x.numel():
         kth = torch.topk(x, top_k).values[-1]
         x = x.masked_fill(x < kth, float("-inf"))

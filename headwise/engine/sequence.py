@@ -33,10 +33,14 @@ class Sequence:
         # Prompt tokens found in the prefix cache when first scheduled (None: not yet).
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
+        self.error: str | None = None  # why the request failed (finish_reason "abort"), if it did
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer, made by the engine on the first token
+        # An llguidance matcher when the request asks for structured outputs (engine/grammar.py).
+        self.matcher = None
+        self._prompt_tensor: torch.Tensor | None = None
         self.num_preemptions = 0
         self.generator: torch.Generator | None = None
         if params.seed is not None:
@@ -66,6 +70,12 @@ class Sequence:
         if start >= p:
             return self.output_token_ids[start - p:end - p]
         return self.prompt_token_ids[start:] + self.output_token_ids[:end - p]
+
+    def prompt_ids_tensor(self) -> torch.Tensor:
+        """The prompt's ids as a tensor [P] (made once; the repetition penalty reads it every step)."""
+        if self._prompt_tensor is None:
+            self._prompt_tensor = torch.tensor(self.prompt_token_ids, dtype=torch.long)
+        return self._prompt_tensor
 
     @property
     def is_finished(self) -> bool:

@@ -14,10 +14,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from headwise.engine.llm_engine import LLMEngine, PromptTooLongError
+from headwise.engine.llm_engine import LLMEngine, PromptTooLongError, check_params
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import protocol as P
+from headwise.errors import InvalidParameterError
+from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
+from headwise.server.choices import Choices
 from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
@@ -127,31 +130,35 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             raise P.APIError(400, f"the model {req.model!r} does not exist; this server serves {name!r}",
                              "model", "model_not_found")
 
-    async def _submit(ids: list[int], req: P.GenerationRequest, chat: bool):
-        if any(t >= vocab for t in req.params.stop_token_ids):
-            raise P.bad(f"stop_token_ids must be token ids in [0, {vocab})", "stop_token_ids")
+    async def _start(ids: list[int], req: P.GenerationRequest, chat: bool) -> Choices:
+        """Check the request against the model and submit its first choice."""
         if chat and not req.max_tokens_given:
             req.params.max_tokens = max(1, model.max_model_len - len(ids))
         try:
+            check_params(req.params.for_choice(0), vocab)
             ids = model.check(ids, req.params.max_tokens)
         except PromptTooLongError as e:
             raise P.APIError(400, str(e), "max_tokens" if len(ids) else "prompt", "context_length_exceeded") from None
+        except InvalidParameterError as e:
+            raise P.bad(str(e), e.param) from None
         except ValueError as e:
             raise P.bad(str(e), "prompt") from None
-        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
-        try:
-            return rid, await aeng.submit(ids, req.params, rid)
-        except QueueFullError as e:
-            raise P.APIError(503, str(e), None, "queue_full") from None
-        except ShuttingDownError as e:
-            raise P.APIError(503, str(e), None, "shutting_down") from None
-        except EngineUnavailableError as e:
-            raise P.APIError(503, str(e), None, "engine_unavailable") from None
 
-    def _usage(u: Update) -> dict:
-        return {"prompt_tokens": u.num_prompt_tokens, "completion_tokens": u.num_output_tokens,
-                "total_tokens": u.num_prompt_tokens + u.num_output_tokens,
-                "prompt_tokens_details": {"cached_tokens": u.num_cached_tokens}}
+        async def submit(params: SamplingParams, rid: str):
+            try:
+                return await aeng.submit(ids, params, rid)
+            except InvalidParameterError as e:  # a constraint that did not compile
+                raise P.bad(str(e), e.param) from None
+            except QueueFullError as e:
+                raise P.APIError(503, str(e), None, "queue_full") from None
+            except ShuttingDownError as e:
+                raise P.APIError(503, str(e), None, "shutting_down") from None
+            except EngineUnavailableError as e:
+                raise P.APIError(503, str(e), None, "engine_unavailable") from None
+
+        choices = Choices(aeng, submit, req.params, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
+        await choices.start()
+        return choices
 
     def _completion_logprobs(upds: list[Update]) -> dict:
         toks, lps, tops = [], [], []
@@ -173,33 +180,37 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                                                  for k, v in top.items()]})
         return {"content": content}
 
-    async def _collect(request: Request, handle) -> list[Update]:
-        upds = []
+    async def _collect(request: Request, choices: Choices) -> list[list[Update]] | None:
+        """Every choice's updates; None if the client went away (its choices aborted)."""
+        upds: list[list[Update]] = [[] for _ in range(choices.n)]
         try:
-            while True:
-                try:
-                    u = await asyncio.wait_for(handle.queue.get(), timeout=0.5)
-                except asyncio.TimeoutError:
+            async for item in choices.updates(timeout=0.5):
+                if item is None:
                     if await request.is_disconnected():
-                        aeng.abort(handle)
-                        return upds
+                        choices.abort()
+                        return None
                     continue
-                upds.append(u)
-                if u.finished:
-                    return upds
+                i, u = item
+                upds[i].append(u)
+                if u.error:
+                    choices.abort()
+                    raise _engine_error(u)
+            return upds
         except asyncio.CancelledError:
-            aeng.abort(handle)
+            choices.abort()
             raise
 
-    def _final(upds: list[Update]) -> Update:
-        last = upds[-1]
-        if last.error:
-            raise _engine_error(last)
-        return last
+    def _total_usage(lasts: list[Update]) -> dict:
+        # The prompt counts once for all choices (it is computed once), as OpenAI counts it.
+        out = sum(u.num_output_tokens for u in lasts)
+        first = lasts[0]
+        return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": out,
+                "total_tokens": first.num_prompt_tokens + out,
+                "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
-    async def _stream(handle, rid: str, chat: bool, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+    async def _stream(choices: Choices, chat: bool, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
-        base = {"id": rid, "object": obj, "created": int(time.time()), "model": name}
+        base = {"id": choices.request_id, "object": obj, "created": int(time.time()), "model": name}
 
         def chunk(choice: dict, usage: dict | None = None) -> str:
             d = dict(base, choices=[choice] if choice else [])
@@ -208,55 +219,62 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             return f"data: {json.dumps(d)}\n\n"
 
         finished = False
+        lasts: dict[int, Update] = {}
         try:
             if chat:
-                yield chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                             "finish_reason": None})
-            while True:
-                u = await handle.queue.get()
-                if u.error:
-                    finished = True
-                    yield f"data: {json.dumps(_engine_error(u).body())}\n\n"
-                    break
-                if u.text or u.token_ids or u.finished:
-                    lp = None
-                    if want_lp and u.token_ids:
-                        lp = _chat_logprobs([u]) if chat else _completion_logprobs([u])
-                    reason = u.finish_reason if u.finished else None
-                    if chat:
-                        delta = {"content": u.text} if u.text else {}
-                        yield chunk({"index": 0, "delta": delta, "logprobs": lp, "finish_reason": reason})
-                    else:
-                        yield chunk({"index": 0, "text": u.text, "logprobs": lp, "finish_reason": reason})
-                if u.finished:
-                    finished = True
-                    if include_usage:
-                        yield chunk({}, _usage(u))
-                    break
+                for i in range(choices.n):
+                    yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})
+            try:
+                async for i, u in choices.updates():
+                    if u.error:
+                        choices.abort()
+                        yield f"data: {json.dumps(_engine_error(u).body())}\n\n"
+                        break
+                    if u.text or u.token_ids or u.finished:
+                        lp = None
+                        if want_lp and u.token_ids:
+                            lp = _chat_logprobs([u]) if chat else _completion_logprobs([u])
+                        reason = u.finish_reason if u.finished else None
+                        if chat:
+                            delta = {"content": u.text} if u.text else {}
+                            yield chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason})
+                        else:
+                            yield chunk({"index": i, "text": u.text, "logprobs": lp, "finish_reason": reason})
+                    if u.finished:
+                        lasts[i] = u
+            except P.APIError as e:  # a later choice was refused (queue full, shutdown)
+                yield f"data: {json.dumps(e.body())}\n\n"
+            finished = True
+            if include_usage and len(lasts) == choices.n:
+                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)]))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
-                aeng.abort(handle)
+                choices.abort()
 
     async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool):
-        rid, handle = await _submit(ids, req, chat=chat)
+        choices = await _start(ids, req, chat)
         want_lp = req.params.logprobs is not None
         if req.stream:
-            return StreamingResponse(_stream(handle, rid, chat, req.include_usage, want_lp),
+            return StreamingResponse(_stream(choices, chat, req.include_usage, want_lp),
                                      media_type="text/event-stream")
-        upds = await _collect(request, handle)
-        if not upds:
+        per_choice = await _collect(request, choices)
+        if per_choice is None:
             return Response(status_code=499)  # the client is gone
-        last = _final(upds)
-        text = "".join(u.text for u in upds)
-        if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": _chat_logprobs(upds) if want_lp else None}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": _completion_logprobs(upds) if want_lp else None}
-        choice["finish_reason"] = last.finish_reason
-        return {"id": rid, "object": "chat.completion" if chat else "text_completion",
-                "created": int(time.time()), "model": name, "choices": [choice], "usage": _usage(last)}
+        out = []
+        for i, upds in enumerate(per_choice):
+            text = "".join(u.text for u in upds)
+            if chat:
+                choice = {"index": i, "message": {"role": "assistant", "content": text},
+                          "logprobs": _chat_logprobs(upds) if want_lp else None}
+            else:
+                choice = {"index": i, "text": text, "logprobs": _completion_logprobs(upds) if want_lp else None}
+            choice["finish_reason"] = upds[-1].finish_reason
+            out.append(choice)
+        return {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
+                "created": int(time.time()), "model": name, "choices": out,
+                "usage": _total_usage([u[-1] for u in per_choice])}
 
     @api.post("/v1/completions", response_model=None,
               responses={200: {"model": P.CompletionResponse,
@@ -285,6 +303,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
 def _engine_error(u: Update) -> P.APIError:
     if u.error_status == 503:
         return P.APIError(503, u.error, None, u.error_code or "shutting_down")
+    if u.error_status == 400:  # the request's own doing, found while it ran
+        return P.APIError(400, u.error, None, u.error_code or "invalid_request")
     return P.APIError(500, u.error, None, u.error_code or "engine_error", "server_error")
 
 

@@ -60,7 +60,10 @@ class AsyncEngine(EngineClient):
             raise ShuttingDownError("the server is shutting down; retry on another replica or later")
         if self.max_queue is not None and self.num_waiting() >= self.max_queue:
             raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests); retry later")
-        seq = Sequence(prompt_ids, params, request_id)
+        if params.structured_outputs is None:
+            seq = self.engine.new_sequence(prompt_ids, params, request_id)
+        else:  # compiling the constraint may take a while: not on the loop, nor the engine thread
+            seq = await asyncio.to_thread(self.engine.new_sequence, prompt_ids, params, request_id)
         handle = _Handle(seq, asyncio.get_running_loop())
         self._pending_adds += 1
         self._commands.put(("add", handle))
@@ -170,7 +173,8 @@ class AsyncEngine(EngineClient):
         lp = seq.logprobs[h.sent_tokens:n_tok] if seq.params.logprobs is not None else []
         top = seq.top_logprobs[h.sent_tokens:n_tok] if seq.params.logprobs else []
         upd = Update(text[h.sent_text:end], seq.output_token_ids[h.sent_tokens:n_tok], lp, top, done,
-                     seq.finish_reason, None, seq.num_prompt_tokens, n_tok, seq.num_cached_tokens or 0)
+                     seq.finish_reason, seq.error, seq.num_prompt_tokens, n_tok, seq.num_cached_tokens or 0,
+                     error_status=400, error_code="structured_output_failed")
         h.sent_text, h.sent_tokens = end, n_tok
         self._push(h, upd)
         if done:

@@ -4,8 +4,10 @@ requests, and the error envelope {"error": {"message", "type", "param", "code"}}
 
 Types are strict, as OpenAI's API is: a boolean is not an integer, a string is not a
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
-vLLM does), so clients written for OpenAI's API keep working; fields it knows but does
-not support (n > 1, best_of, echo, suffix, batched prompts) are refused by name.
+vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
+support are refused by name when they would change the output (UNSUPPORTED: tools,
+best_of, echo, suffix, batched prompts, ...); the ones that change nothing here
+(IGNORED) are accepted and ignored. docs/api.md lists both.
 """
 from __future__ import annotations
 
@@ -14,7 +16,9 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-from headwise.sampling import InvalidParameterError, SamplingParams
+from headwise.errors import InvalidParameterError
+from headwise.sampling import MAX_N, SamplingParams
+from headwise.structured import StructuredOutputs
 
 
 class APIError(Exception):
@@ -61,13 +65,61 @@ class StreamOptions(_Model):
     include_usage: StrictBool = False
 
 
+class JSONSchemaFormat(_Model):
+    name: StrictStr | None = None
+    description: StrictStr | None = None
+    # `schema` is a BaseModel attribute, hence the alias.
+    json_schema: dict[str, Any] | StrictBool = Field(alias="schema", description="the JSON schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(_Model):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(_Model):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+    json_: dict[str, Any] | StrictStr | None = Field(None, alias="json")
+    json_object: StrictBool | None = None
+    regex: StrictStr | None = None
+    choice: list[StrictStr] | None = None
+    grammar: StrictStr | None = None
+
+
+# Fields that would change the output and are not supported: refused by name when they
+# hold anything but their default (the second element).
+UNSUPPORTED: dict[str, Any] = {
+    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
+    "prediction": None, "web_search_options": None, "prompt_logprobs": None, "allowed_token_ids": None,
+    "bad_words": None, "include_stop_str_in_output": False, "use_beam_search": False,
+    "truncate_prompt_tokens": None, "skip_special_tokens": True, "chat_template": None,
+    "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
+}
+# Accepted and ignored: they change nothing this server computes (vLLM ignores them too).
+IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
+           "guided_whitespace_pattern", "stream_options.continuous_usage_stats", "priority", "request_id")
+
+
 class _SamplingRequest(_Model):
     model: StrictStr | None = None
     max_tokens: StrictInt | None = Field(None, ge=1, description="tokens to generate at most")
     temperature: Number | None = Field(None, ge=0, description="0: greedy (default 1)")
     top_p: Number | None = Field(None, gt=0, le=1)
     top_k: StrictInt | None = Field(None, ge=-1, description="0 or -1: no limit")
-    n: StrictInt | None = Field(None, ge=1, description="only 1 is supported")
+    min_p: Number | None = Field(None, ge=0, le=1)
+    n: StrictInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt")
+    presence_penalty: Number | None = Field(None, ge=-2, le=2)
+    frequency_penalty: Number | None = Field(None, ge=-2, le=2)
+    repetition_penalty: Number | None = Field(None, gt=0, le=1e4, description="1: none (vLLM)")
+    logit_bias: dict[str, Number] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
+    min_tokens: StrictInt | None = Field(None, ge=0)
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: dict[str, Any] | StrictStr | None = None
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     seed: StrictInt | None = Field(None, ge=-(1 << 63), lt=1 << 64)
     stop: StrictStr | list[StrictStr] | None = None
     stop_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = None
@@ -75,6 +127,25 @@ class _SamplingRequest(_Model):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    # Declared so that they can be refused by name (UNSUPPORTED), not silently dropped.
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    prompt_logprobs: Any = None
+    allowed_token_ids: Any = None
+    bad_words: Any = None
+    include_stop_str_in_output: Any = False
+    use_beam_search: Any = False
+    truncate_prompt_tokens: Any = None
+    skip_special_tokens: Any = True
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = False
+    add_generation_prompt: Any = True
 
 
 class CompletionRequest(_SamplingRequest):
@@ -199,13 +270,58 @@ class GenerationRequest:
     max_tokens_given: bool
 
 
+def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
+    """The one structured-output constraint a request asks for, validated (400 naming the
+    field otherwise); None for none (or response_format type "text")."""
+    asked: list[tuple[str, dict]] = []
+    rf = req.response_format
+    if rf is not None and rf.type == "json_object":
+        asked.append(("response_format", {"json_object": True}))
+    elif rf is not None and rf.type == "json_schema":
+        if rf.json_schema is None:
+            raise bad('response_format: type "json_schema" needs a json_schema object', "response_format")
+        asked.append(("response_format", {"json": rf.json_schema.json_schema}))
+    for name, kind in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                       ("guided_grammar", "grammar")):
+        if getattr(req, name) is not None:
+            asked.append((name, {kind: getattr(req, name)}))
+    if req.structured_outputs is not None:
+        so = req.structured_outputs
+        given = {k: v for k, v in (("json", so.json_), ("json_object", so.json_object), ("regex", so.regex),
+                                    ("choice", so.choice), ("grammar", so.grammar)) if v not in (None, False)}
+        asked.append(("structured_outputs", given))
+    if not asked:
+        return None
+    if len(asked) > 1:
+        raise bad(f"give one structured-output constraint, not {len(asked)} ({', '.join(a for a, _ in asked)})",
+                  asked[1][0])
+    param, spec = asked[0]
+    try:
+        return StructuredOutputs(**spec, param=param)
+    except InvalidParameterError as e:
+        raise bad(str(e), param) from None
+
+
+def _logit_bias(req: CompletionRequest | ChatCompletionRequest) -> dict[int, float] | None:
+    if req.logit_bias is None:
+        return None
+    out = {}
+    for key, bias in req.logit_bias.items():
+        if not (key.isascii() and key.isdigit()):
+            raise bad(f"logit_bias keys must be token ids written as strings, got {key!r}", "logit_bias")
+        out[int(key)] = float(bias)
+    return out
+
+
 def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                default_max_tokens: int | None) -> GenerationRequest:
-    if (req.n or 1) != 1:
-        raise bad("only n=1 is supported", "n", "unsupported_parameter")
+    for name, default in UNSUPPORTED.items():
+        if getattr(req, name) != default:
+            raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
     if not chat:
-        if (req.best_of or 1) != 1:
-            raise bad("best_of other than 1 is not supported", "best_of", "unsupported_parameter")
+        if req.best_of is not None and req.best_of != (req.n or 1):
+            raise bad("best_of other than n is not supported (as in vLLM's v1 engine)", "best_of",
+                      "unsupported_parameter")
         if req.echo:
             raise bad("echo is not supported", "echo", "unsupported_parameter")
         if req.suffix:
@@ -224,12 +340,17 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
     else:
         logprobs = req.logprobs
     kwargs = dict(
-        max_tokens=max_tokens if given else (default_max_tokens or 16),
+        max_tokens=max_tokens if given else max(default_max_tokens or 16, req.min_tokens or 0),
         temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
         seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
-        stop_token_ids=req.stop_token_ids or [],
+        stop_token_ids=req.stop_token_ids or [], n=req.n or 1,
+        min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
+        structured_outputs=structured_outputs(req),
     )
     try:
         params = SamplingParams(**kwargs)
