@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
+from headwise.cache.block_pool import PageKind
 from headwise.cache.layout import HeadSpec
 from headwise.cache.manager import KVCacheManager
 from headwise.engine.scheduler import Scheduler
@@ -187,9 +188,9 @@ def _check_books(cache, running):
             holders[b] += 1
     assert holders == pool.ref, "a block's references differ from the tables holding it"
     for h, b in cache.index.blocks.items():
-        assert pool.key[b] == ("b", h)
+        assert pool.key[b] == (PageKind.BLOCK, h)
     for h, snap in cache.index.snapshots.items():
-        assert all(pool.key[b] == ("s", h) for b in snap.pages)
+        assert all(pool.key[b] == (PageKind.SNAPSHOT, h) for b in snap.pages)
     ring = cache.ring  # each ring slot free or held by one running sequence; none lent
     if ring.active:
         assert not ring.lent and ring.num_free + len(running) == ring.num_slots

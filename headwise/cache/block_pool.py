@@ -10,13 +10,20 @@ so a cached prefix stays hit-able exactly until its pages are reused.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from enum import StrEnum
 from typing import Callable, Hashable
 
 from headwise.cache.pool import CacheFullError
 
-# A page key is (kind, value): kind "b" for a full-head block (value: its chained hash),
-# "s" for a page of a window-state snapshot (value: the snapshot's key).
-PageKey = tuple[str, Hashable]
+
+class PageKind(StrEnum):
+    """What a cached page holds. The values name the disk tier's files: never change them."""
+    BLOCK = "b"      # a full-head block; the key's value is its chained hash
+    SNAPSHOT = "s"   # a page of a window-state snapshot; the key's value is the snapshot's key
+
+
+# A page key is (kind, value).
+PageKey = tuple[PageKind, Hashable]
 
 
 class BlockPool:

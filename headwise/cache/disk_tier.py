@@ -2,7 +2,7 @@
 pinned on CUDA): cached prefixes evicted from the pool are written here and read back
 instead of recomputed, also by a later process.
 
-One file per entry: a full-head block ("b") or a window-state snapshot ("s"), keyed by
+One file per entry: a full-head block ("b-" file) or a window-state snapshot ("s-"), keyed by
 the chained hash of the tokens it stands for, in safetensors with the bytes of its pages
 and, as metadata, the tokens of its last block, the previous block's hash, the
 fingerprint and a checksum, so that a hit is verified against the prompt's tokens and
@@ -34,6 +34,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save
 
+from headwise.cache.block_pool import PageKind
+
 FORMAT_VERSION = "1"
 # Reader threads: a cached document is hundreds of one-block files, whose opening and
 # checksumming overlap across threads (hashlib and file reads release the GIL).
@@ -44,7 +46,7 @@ log = logging.getLogger("headwise.kv_tier")
 @dataclass
 class TierEntry:
     """What an entry holds besides its bytes: enough to verify it against a prompt."""
-    kind: str              # "b" full-head block, "s" window-state snapshot
+    kind: PageKind         # a full-head block or a window-state snapshot
     key: int               # chained hash of the tokens up to the end of its last block
     parent: int            # hash of the block before it (the chain's root for the first)
     tokens: list[int]      # tokens of its last block
@@ -101,7 +103,7 @@ class DiskTier:
             t.start()
 
     # ---- index ----------------------------------------------------------------------
-    def _path(self, kind: str, key: int) -> Path:
+    def _path(self, kind: PageKind, key: int) -> Path:
         return self.dir / f"{kind}-{key:016x}.safetensors"
 
     def _scan(self) -> None:
@@ -116,7 +118,7 @@ class DiskTier:
                 continue
             try:
                 kind, hexkey = p.stem.split("-")
-                files.append((p.stat().st_mtime, kind, int(hexkey, 16), p.stat().st_size))
+                files.append((p.stat().st_mtime, PageKind(kind), int(hexkey, 16), p.stat().st_size))
             except (ValueError, OSError):
                 continue
         for _, kind, key, size in sorted(files):  # oldest first: LRU order
@@ -124,7 +126,7 @@ class DiskTier:
         self.stats.entries, self.stats.bytes = len(self._index), sum(self._index.values())
         self._shrink()
 
-    def has(self, kind: str, key: int) -> bool:
+    def has(self, kind: PageKind, key: int) -> bool:
         item = (kind, key)
         with self._lock:
             return not self._closed and (item in self._ram or item in self._index or item in self._writing
@@ -141,7 +143,7 @@ class DiskTier:
         while self._index and self.stats.bytes > self.max_bytes:
             self._forget(next(iter(self._index)))
 
-    def drop(self, kind: str, key: int, why: str) -> None:
+    def drop(self, kind: PageKind, key: int, why: str) -> None:
         """An entry failed verification: skip it for good."""
         log.warning("kv tier: skipping %s entry %016x (%s); its prefix will be recomputed", kind, key, why)
         with self._lock:
@@ -152,7 +154,7 @@ class DiskTier:
                 self._forget((kind, key))
 
     # ---- writes -----------------------------------------------------------------------
-    def expect(self, kind: str, key: int) -> None:
+    def expect(self, kind: PageKind, key: int) -> None:
         """An entry was evicted and its put() follows once the engine has copied its pages
         (before the next step): a prefix lookup meanwhile waits for it instead of finding
         its chain broken."""
@@ -199,7 +201,7 @@ class DiskTier:
 
     def _write(self, entry: TierEntry, data: torch.Tensor) -> None:
         t0 = time.perf_counter()
-        meta = {"kind": entry.kind, "key": str(entry.key), "parent": str(entry.parent),
+        meta = {"kind": str(entry.kind), "key": str(entry.key), "parent": str(entry.parent),
                 "tokens": json.dumps(entry.tokens), "fingerprint": self.fingerprint,
                 "format": FORMAT_VERSION, "checksum": _checksum(data)}
         blob = save({"kv": data.contiguous()}, metadata=meta)
@@ -225,7 +227,7 @@ class DiskTier:
             self.stats.write_seconds.append(time.perf_counter() - t0)
 
     # ---- reads ------------------------------------------------------------------------
-    def ready(self, kind: str, key: int) -> tuple[TierEntry, torch.Tensor] | None:
+    def ready(self, kind: PageKind, key: int) -> tuple[TierEntry, torch.Tensor] | None:
         """An entry already read into host memory, or None."""
         with self._lock:
             return self._host.get((kind, key))
@@ -246,12 +248,12 @@ class DiskTier:
         for i in new:
             self._rq.put(i)
 
-    def is_pending(self, kind: str, key: int) -> bool:
+    def is_pending(self, kind: PageKind, key: int) -> bool:
         """Being read, or still to be copied out or written (readable once written)."""
         with self._lock:
             return (kind, key) in self._pending or (kind, key) in self._writing or (kind, key) in self._queued
 
-    def release(self, kind: str, key: int) -> None:
+    def release(self, kind: PageKind, key: int) -> None:
         """The entry went back into the pool: drop its host copy, mark it recently used."""
         with self._lock:
             self._host.pop((kind, key), None)
@@ -283,7 +285,7 @@ class DiskTier:
                 self.stats.read_seconds.append(time.perf_counter() - t0)
             self._progress.set()
 
-    def _read(self, kind: str, key: int) -> tuple[TierEntry, torch.Tensor]:
+    def _read(self, kind: PageKind, key: int) -> tuple[TierEntry, torch.Tensor]:
         with safe_open(str(self._path(kind, key)), framework="pt") as f:
             meta = f.metadata() or {}
             data = f.get_tensor("kv")

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from headwise.cache.block_pool import BlockPool
+from headwise.cache.block_pool import BlockPool, PageKind
 from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.full_pool import FullHeadPool
 from headwise.cache.layout import HeadLayout
@@ -140,21 +140,21 @@ class KVCacheManager:
         n = len(blocks) if self.full.active else max_blocks
         tier = self.tier if use_tier else None
         if tier is not None and self.full.active:  # the chain may go on in the disk tier
-            while n < max_blocks and tier.has("b", hashes[n]):
+            while n < max_blocks and tier.has(PageKind.BLOCK, hashes[n]):
                 n += 1
         reach = n * bs  # how far the cached full blocks go
         snapshot, snap_on_disk = None, False
         if self.snapshot_pages:  # window heads: the latest saved state within the reach
             while n and hashes[n - 1] not in self.index.snapshots:
-                if tier is not None and tier.has("s", hashes[n - 1]):
+                if tier is not None and tier.has(PageKind.SNAPSHOT, hashes[n - 1]):
                     snap_on_disk = True
                     break
                 n -= 1
             snapshot = hashes[n - 1] if n else None
         L = n * bs
         hit = PrefixHit(L, hashes, blocks[:n], snapshot, num_prompt=P)
-        need = [("b", h) for h in hashes[len(hit.blocks):n]] if self.full.active else []
-        need += [("s", snapshot)] if snap_on_disk else []
+        need = [(PageKind.BLOCK, h) for h in hashes[len(hit.blocks):n]] if self.full.active else []
+        need += [(PageKind.SNAPSHOT, snapshot)] if snap_on_disk else []
         if need:
             got = [tier.ready(*i) for i in need]
             if any(g is None for g in got):
@@ -290,7 +290,7 @@ class KVCacheManager:
             if isinstance(op, RingCopy):
                 self.full.blocks.release(op.pages, low=op.save and not op.anchor)
 
-    def _offload(self, kind: str, key: int, pages: list[int], parent: int, tokens: list[int]) -> None:
+    def _offload(self, kind: PageKind, key: int, pages: list[int], parent: int, tokens: list[int]) -> None:
         """An evicted entry: copy its pages out to the disk tier before they are reused."""
         if not self.tier.has(kind, key):
             self._ops.append(PageOut(TierEntry(kind, key, parent, tokens), pages))
@@ -302,10 +302,10 @@ class KVCacheManager:
         if self.tier is None:
             return
         for h, b in self.index.blocks.items():
-            self._offload("b", h, [b], *self.index.block_meta[h])
+            self._offload(PageKind.BLOCK, h, [b], *self.index.block_meta[h])
         for h, snap in self.index.snapshots.items():
             if snap.anchor:
-                self._offload("s", h, snap.pages, snap.parent, snap.tokens)
+                self._offload(PageKind.SNAPSHOT, h, snap.pages, snap.parent, snap.tokens)
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running sequences keep their KV); returns the
@@ -347,9 +347,9 @@ class KVCacheManager:
             pool.touch(snap.pages)
         loaded = []
         for entry, data in hit.from_disk:  # into new pages, registered as cached again
-            pages = pool.take(1) if entry.kind == "b" else pool.take(self.snapshot_pages, high=True)
+            pages = pool.take(1) if entry.kind == PageKind.BLOCK else pool.take(self.snapshot_pages, high=True)
             self._ops.append(PageIn(pages, data))
-            if entry.kind == "b":
+            if entry.kind == PageKind.BLOCK:
                 loaded += pages
                 self.index.add_block(entry.key, pages[0], entry.parent, entry.tokens)
             else:
@@ -437,7 +437,7 @@ class KVCacheManager:
         by cached prefixes nobody uses, which count as free."""
         cached = self.full.blocks.cached_free
         out = {}
-        for name, p, kind in (("full", self.full, "b"), ("ring", self.ring, "s")):
+        for name, p, kind in (("full", self.full, PageKind.BLOCK), ("ring", self.ring, PageKind.SNAPSHOT)):
             total = p.total_bytes
             out[name] = {"used_bytes": p.used_bytes, "total_bytes": total,
                          "usage": p.used_bytes / total if total else 0.0,

@@ -20,7 +20,7 @@ from array import array
 from dataclasses import dataclass, field
 from typing import Callable, Hashable
 
-from headwise.cache.block_pool import BlockPool, PageKey
+from headwise.cache.block_pool import BlockPool, PageKey, PageKind
 
 
 def root_hash(root: Hashable) -> int:
@@ -75,11 +75,11 @@ class PrefixIndex:
 
     def _on_evict(self, key: PageKey) -> None:
         kind, h = key
-        if kind == "b":
+        if kind == PageKind.BLOCK:
             b = self.blocks.pop(h, None)
             parent, tokens = self.block_meta.pop(h, (0, []))
             if b is not None and self.on_evicted is not None:
-                self.on_evicted("b", h, [b], parent, tokens)
+                self.on_evicted(PageKind.BLOCK, h, [b], parent, tokens)
         else:  # one page of a snapshot was reused: the snapshot is gone
             snap = self.snapshots.pop(h, None)
             if snap is not None:
@@ -87,14 +87,14 @@ class PrefixIndex:
                     if self.pool.key[b] == key:
                         self.pool.set_key(b, None)
                 if self.on_evicted is not None and snap.anchor:  # speculative ones are not kept
-                    self.on_evicted("s", h, snap.pages, snap.parent, snap.tokens)
+                    self.on_evicted(PageKind.SNAPSHOT, h, snap.pages, snap.parent, snap.tokens)
 
     def add_block(self, h: int, b: int, parent: int = 0, tokens: list[int] | None = None) -> None:
         """Register block b as holding the tokens hashed by h (first writer wins)."""
         if h not in self.blocks and self.pool.key[b] is None:
             self.blocks[h] = b
             self.block_meta[h] = (parent, tokens or [])
-            self.pool.set_key(b, ("b", h))
+            self.pool.set_key(b, (PageKind.BLOCK, h))
 
     def cached_blocks(self, hashes: list[int]) -> list[int]:
         """The longest run of leading blocks that are cached."""
@@ -109,7 +109,7 @@ class PrefixIndex:
     def add_snapshot(self, h: int, pages: list[int], anchor: bool, parent: int = 0,
                      tokens: list[int] | None = None) -> None:
         for b in pages:
-            self.pool.set_key(b, ("s", h))
+            self.pool.set_key(b, (PageKind.SNAPSHOT, h))
         self.snapshots[h] = Snapshot(pages, anchor, parent, tokens or [])
 
     def drop_snapshot(self, h: int) -> None:
