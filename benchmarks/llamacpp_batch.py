@@ -22,6 +22,11 @@ def batched_decode(system, context: int, num_seqs: int, steps: int) -> float:
     cp.n_threads = cp.n_threads_batch = system.threads
     cp.kv_unified = False
     cp.swa_full = system.swa_cells is None  # a model's sliding-window layers keep only the window
+    if system.flash is not None:  # newer llama.cpp: an enum (-1 auto, 0 off, 1 on); older: a bool
+        if hasattr(cp, "flash_attn_type"):
+            cp.flash_attn_type = int(system.flash)
+        else:
+            cp.flash_attn = system.flash
     ctx = lc.llama_init_from_model(model, cp)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context of that size")

@@ -120,11 +120,12 @@ class TransformersSystem:
 
 
 class LlamaCppSystem:
-    """llama-cpp-python on the very same GGUF; f16 KV cache (its default)."""
+    """llama-cpp-python on the very same GGUF; f16 KV cache (its default). `flash`: flash
+    attention on (llama.cpp-fa), off (llama.cpp-nofa) or the library's default (llama.cpp)."""
 
-    name = "llama.cpp"
-
-    def __init__(self, model: str | None, max_context: int) -> None:
+    def __init__(self, model: str | None, max_context: int, flash: bool | None = None) -> None:
+        self.flash = flash
+        self.name = {None: "llama.cpp", True: "llama.cpp-fa", False: "llama.cpp-nofa"}[flash]
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -155,6 +156,8 @@ class LlamaCppSystem:
                   n_batch=min(n_ctx, 2048), n_ubatch=UBATCH, verbose=False, swa_full=self.swa_cells is None)
         if n_seq > 1:
             kw["n_seq_max"] = n_seq
+        if self.flash is not None:
+            kw["flash_attn"] = self.flash
         return llama_cpp.Llama(**kw)
 
     def single(self, L: int, new: int) -> tuple[float, float]:
@@ -220,6 +223,6 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
         return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":
         return TransformersSystem(model, dtype)
-    if name == "llama.cpp":
-        return LlamaCppSystem(model, max_context)
+    if name in ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa"):
+        return LlamaCppSystem(model, max_context, {"llama.cpp": None, "llama.cpp-fa": True, "llama.cpp-nofa": False}[name])
     raise ValueError(f"unknown system {name!r}")

@@ -8,6 +8,9 @@ from headwise.structured import StructuredOutputs
 
 GREEDY_BELOW = 1e-5
 MAX_N = 128
+# vLLM only asks for > 0; past these bounds a logit divided by the penalty overflows float32
+# once a temperature divides it again (found by the server's fuzzer), so they are refused.
+REPETITION_PENALTY = (0.01, 100.0)
 
 
 @dataclass
@@ -66,8 +69,9 @@ class SamplingParams:
              f"must be in [-2, 2], got {self.presence_penalty!r}"),
             ("frequency_penalty", _is_num(self.frequency_penalty) and -2 <= self.frequency_penalty <= 2,
              f"must be in [-2, 2], got {self.frequency_penalty!r}"),
-            ("repetition_penalty", _is_num(self.repetition_penalty) and 0 < self.repetition_penalty <= 1e4,
-             f"must be > 0, got {self.repetition_penalty!r}"),
+            ("repetition_penalty", _is_num(self.repetition_penalty)
+             and REPETITION_PENALTY[0] <= self.repetition_penalty <= REPETITION_PENALTY[1],
+             f"must be in [{REPETITION_PENALTY[0]}, {REPETITION_PENALTY[1]}], got {self.repetition_penalty!r}"),
             ("logit_bias", all(_is_int(t) and t >= 0 and _is_num(b) and -100 <= b <= 100 for t, b in bias.items()),
              "must map non-negative token ids to numbers in [-100, 100]"),
             ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,

@@ -28,7 +28,8 @@ def _seq(out=(), prompt=(1, 2), **params) -> Sequence:
 # ---- validation -----------------------------------------------------------------------
 @pytest.mark.parametrize("kwargs, param", [
     ({"presence_penalty": 2.5}, "presence_penalty"), ({"frequency_penalty": -3}, "frequency_penalty"),
-    ({"repetition_penalty": 0}, "repetition_penalty"), ({"min_p": 1.5}, "min_p"),
+    ({"repetition_penalty": 0}, "repetition_penalty"), ({"repetition_penalty": 5e-209}, "repetition_penalty"),
+    ({"min_p": 1.5}, "min_p"),
     ({"logit_bias": {3: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"n": 0}, "n"), ({"n": True}, "n"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),

@@ -316,3 +316,10 @@ def test_fuzzer_findings_stay_fixed(keyed):
     r = httpx.post(f"{url}/v1/completions", json={"prompt": "0", "seed": (1 << 64) - 1, "max_tokens": 2,
                                                   "temperature": 0.7}, headers=_auth())
     assert r.status_code == 200, r.text
+    # A repetition penalty of 5e-209 divided logits into inf, and sampling failed (500).
+    r = httpx.post(f"{url}/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                       "repetition_penalty": 5.1e-209}, headers=_auth())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "repetition_penalty"
+    r = httpx.post(f"{url}/v1/completions", json={"prompt": "0 0 0", "repetition_penalty": 0.01, "temperature": 1e-4,
+                                                  "max_tokens": 4}, headers=_auth())
+    assert r.status_code == 200, r.text

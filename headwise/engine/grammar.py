@@ -24,7 +24,7 @@ _SHIFTS = torch.arange(32, dtype=torch.int32)
 
 class GrammarCompiler:
     def __init__(self, tokenizer, vocab_size: int, cache_size: int = 256) -> None:
-        self._hf = tokenizer.hf
+        self.tokenizer = tokenizer  # a headwise Tokenizer: llguidance reads its HF tokenizer
         self.vocab_size = vocab_size  # the model's (logits' width); may exceed the tokenizer's
         self.cache_size = cache_size
         self._tok: llguidance.LLTokenizer | None = None
@@ -35,7 +35,7 @@ class GrammarCompiler:
 
     def _tokenizer(self) -> llguidance.LLTokenizer:
         if self._tok is None:  # about 0.4 s for a 49K vocabulary, once
-            self._tok = llguidance.hf.from_tokenizer(self._hf, n_vocab=self.vocab_size)
+            self._tok = llguidance.hf.from_tokenizer(self.tokenizer.hf, n_vocab=self.vocab_size)
         return self._tok
 
     def matcher(self, spec: StructuredOutputs) -> llguidance.LLMatcher:

@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from headwise.errors import InvalidParameterError
-from headwise.sampling import MAX_N, SamplingParams
+from headwise.sampling import MAX_N, REPETITION_PENALTY, SamplingParams
 from headwise.structured import StructuredOutputs
 
 
@@ -111,7 +111,8 @@ class _SamplingRequest(_Model):
     n: StrictInt | None = Field(None, ge=1, le=MAX_N, description="choices per prompt")
     presence_penalty: Number | None = Field(None, ge=-2, le=2)
     frequency_penalty: Number | None = Field(None, ge=-2, le=2)
-    repetition_penalty: Number | None = Field(None, gt=0, le=1e4, description="1: none (vLLM)")
+    repetition_penalty: Number | None = Field(None, ge=REPETITION_PENALTY[0], le=REPETITION_PENALTY[1],
+                                              description="1: none (vLLM's semantics)")
     logit_bias: dict[str, Number] | None = Field(None, description="token id (a string) -> bias in [-100, 100]")
     min_tokens: StrictInt | None = Field(None, ge=0)
     response_format: ResponseFormat | None = None
