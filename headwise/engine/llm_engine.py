@@ -43,14 +43,11 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
     if params.n != 1:
         raise InvalidParameterError("n", "the engine takes one choice per sequence; use LLM.generate or "
                                     "the server for n > 1 (SamplingParams.for_choice)")
-    far = [t for t in (params.logit_bias or {}) if t >= vocab_size]
-    if far:
-        raise InvalidParameterError("logit_bias", f"logit_bias: token id {far[0]} is outside the vocabulary "
-                                    f"(size {vocab_size})")
-    far = [t for t in params.stop_token_ids if t >= vocab_size]
-    if far:
-        raise InvalidParameterError("stop_token_ids", f"stop_token_ids: token id {far[0]} is outside the "
-                                    f"vocabulary (size {vocab_size})")
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+        far = [t for t in ids if t >= vocab_size]
+        if far:
+            raise InvalidParameterError(name, f"{name}: token id {far[0]} is outside the vocabulary "
+                                        f"(size {vocab_size})")
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
