@@ -75,8 +75,9 @@ class LLMEngine:
         else:
             self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
             # Loaded as float32 and cast below, after the 4-bit weights are recognised
-            # (exactly only before rounding to 16 bits).
-            self.model, self.tokenizer = load_model(config.model, torch.float32, config.torch_device)
+            # (exactly only before rounding to 16 bits); a GGUF's block-format weights stay
+            # codes until then (lazy), made dense one at a time in the compute dtype.
+            self.model, self.tokenizer = load_model(config.model, torch.float32, config.torch_device, lazy=True)
         mcfg = self.model.config
         self.model_config = mcfg
         self.model_name = mcfg.name

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headwise.kernels.int8_matmul import int8_copy
+from headwise.layers.quant import QuantCodes
 
 
 class Embedding(nn.Module):
@@ -32,15 +33,21 @@ class Embedding(nn.Module):
         self.register_buffer("int8_scales", None, persistent=False)
         self.register_buffer("int8_lows", None, persistent=False)
         self.dtype = self.weight.dtype  # of the rows a lookup returns
+        self.quant: QuantCodes | None = None  # the file's codes (layers.quant), where read
 
     def find_int8(self, tied=None) -> bool:
         """Keep the weight as int8 codes if it is exactly that: a tied projection's int8
-        copy (shared, not copied) or int8_copy of the weight itself. Call while the weight
-        is float32, before the model is cast."""
-        if self.weight is None:
+        copy (shared, not copied), the file's codes (`quant`), or int8_copy of the weight
+        itself. Call while the weight is float32, before the model is cast."""
+        quant = self.quant  # used here or not at all (materialize may still need it)
+        if self.weight is None and quant is None:
             return False
         if tied is not None and tied.int8_codes is not None:
             found = tied.int8_codes, tied.int8_scales, tied.int8_lows
+        elif quant is not None:
+            found = quant.int8()
+            if found is None:
+                return False
         else:
             found = int8_copy(self.weight.detach())
             if found is None:
@@ -48,19 +55,29 @@ class Embedding(nn.Module):
         self.int8_codes, self.int8_scales, self.int8_lows = found
         return True
 
+    def materialize(self, dtype: torch.dtype) -> None:
+        """The dense weight in `dtype` from the file's codes where loading left it out
+        (weights.loader.load_model's lazy mode), then the codes are dropped."""
+        if self.weight is None and self.quant is not None:
+            self.weight = nn.Parameter(self.quant.dense(dtype), requires_grad=False)
+        self.quant = None
+
     def compact(self, dtype: torch.dtype, dtypes: tuple[torch.dtype, ...]) -> bool:
         """Drop the dense weight where there are codes and rows are looked up in one of
         `dtypes` (where the tied projection keeps its copy: see layers.linear.INT8_DTYPES);
-        else drop the codes. After the model's cast; the scales must be float32 again."""
+        else drop the codes, making the dense weight from the file's codes if a lazy load
+        left it out. After the model's cast; the scales must be float32 again. True where
+        lookups read the codes."""
         self.dtype = dtype
-        if (self.weight is None or self.int8_codes is None or dtype not in dtypes
-                or self.weight.device.type != "cpu"):
+        codes = self.int8_codes
+        if codes is None or dtype not in dtypes or codes.device.type != "cpu":
+            self.materialize(dtype)
             if self.weight is not None:
                 self.int8_codes = self.int8_scales = self.int8_lows = None
             return self.weight is None
         if self.int8_scales.dtype != torch.float32:
             raise ValueError("int8 scales must stay float32 (exact) through the model's cast")
-        self.weight = None
+        self.weight, self.quant = None, None
         return True
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:

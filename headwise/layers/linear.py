@@ -7,8 +7,9 @@ multiply inside the matmul, so the MLP makes no separate elementwise passes.
 
 Decode at small batch reads every weight once per step, so it is bound by memory
 bandwidth. A GGUF Q4_1, Q4_0 or Q4_K tensor is 4-bit codes with a scale and an offset per
-group of 32 inputs; `find_int4()` recovers them exactly from the loaded float32 weight,
-and calls with at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter
+group of 32 inputs; `find_int4()` takes them from the file's blocks (`quant`, set by
+the GGUF loader: layers.quant), or else recovers them exactly from the float32 weight (a
+search: HF checkpoints, formats the loader does not read), and calls with at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter
 of the bytes (bfloat16 activations only: the kernel is slow with float32 ones, see
 INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
 Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32 (Q5_1,
@@ -33,6 +34,7 @@ from torch import nn
 
 from headwise.kernels.int8_matmul import AFFINE_GROUP, check_int8_weight, exact_affine, int8_copy, int8_matmul
 from headwise.layers import opaque
+from headwise.layers.quant import QuantCodes
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
 # decode-sized calls still run 1.7-1.9x faster than plain F.linear with it (bench_linear).
@@ -77,6 +79,14 @@ def exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
     if w.dim() != 2 or w.shape[0] % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
         return None  # the int4 CPU kernel packs output rows by 16
     return exact_affine(w, 16)
+
+
+def int4_codes(quant: QuantCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A file's codes in exact_int4's form, or None where they are not 4-bit or the int4
+    kernel is missing."""
+    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        return None
+    return quant.int4()
 
 
 def activate(y: torch.Tensor, act: str) -> torch.Tensor:
@@ -147,6 +157,7 @@ class Linear(Int4Copy, nn.Module):
         # 4-bit copy for small calls (see Int4Copy.int4). Found while float32; pack() casts
         # the scales to the activation dtype, and only a packed layer uses it.
         Int4Copy.init(self)
+        self.fused_int4 = False  # part of a FusedInt4: needs no decode copy of its own
         # int8 copy for calls of a few rows, where the weight is exactly int8 codes times a
         # scale per 32 (or 16) inputs, or 5-bit codes times a scale plus a minimum per 32,
         # and not 4-bit: codes [out, in] int8, scales [out, in/32 or in/16], lows like
@@ -154,15 +165,21 @@ class Linear(Int4Copy, nn.Module):
         self.register_buffer("int8_codes", None, persistent=False)
         self.register_buffer("int8_scales", None, persistent=False)
         self.register_buffer("int8_lows", None, persistent=False)
+        # The weight's codes as its file stores them (layers.quant), where the loader read
+        # them; whoever edits the weight moves them along or drops them. pack() drops them.
+        self.quant: QuantCodes | None = None
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
         nn.init.uniform_(self.weight, -bound, bound)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
 
     def find_int4(self) -> bool:
-        """Keep a 4-bit copy of the weight if it is exactly 4-bit (see exact_int4); call
-        while the weight is still float32, before the model is cast."""
-        found = None if self.weight is None else exact_int4(self.weight.detach())
+        """Keep a 4-bit copy of the weight if it is 4-bit: its file's codes (`quant`), else
+        exact_int4's search; call while the weight is still float32, before the model is
+        cast."""
+        if (self.weight is None and self.quant is None) or self.fused_int4:
+            return False
+        found = int4_codes(self.quant) if self.quant is not None else exact_int4(self.weight.detach())
         if found is None:
             return False
         self.int4 = int4_pack(*found)
@@ -171,18 +188,34 @@ class Linear(Int4Copy, nn.Module):
     def find_int8(self) -> bool:
         """Keep an int8 copy of the weight if it has no 4-bit one and is exactly int8 codes
         times a scale per 32 or 16 inputs, or 5-bit codes times a scale plus a minimum per
-        32 (see kernels.int8_matmul.int8_copy); call while the weight is still float32."""
-        found = None if self.weight is None or self.int4 is not None else int8_copy(self.weight.detach())
+        32: its file's codes (`quant`), else kernels.int8_matmul.int8_copy's search; call
+        while the weight is still float32."""
+        if (self.weight is None and self.quant is None) or self.int4 is not None or self.fused_int4:
+            return False
+        found = self.quant.int8() if self.quant is not None else int8_copy(self.weight.detach())
         if found is None:
             return False
         self.int8_codes, self.int8_scales, self.int8_lows = found
         return True
+
+    def packable(self) -> bool:
+        """Whether pack() will pack this layer: its weight, or the codes it is to be made
+        from, is on the CPU in a dtype oneDNN packs (checked while float32)."""
+        ref = self.weight if self.weight is not None else None if self.quant is None else self.quant.scales
+        return ref is not None and can_pack(ref)
+
+    def materialize(self, dtype: torch.dtype) -> None:
+        """The dense weight in `dtype` from the file's codes where loading left it out
+        (weights.loader.load_model's lazy mode); one float32 temporary at a time."""
+        if self.weight is None and self.quant is not None:
+            self.weight = nn.Parameter(self.quant.dense(dtype), requires_grad=False)
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN; False (and nothing changes) where that is not
         supported: not on the CPU, or a dtype other than float32/bfloat16."""
         if self.packed is not None:
             return True
+        self.quant = None  # the copies are taken (or not) by now
         if self.weight is None or not can_pack(self.weight):
             self.int4 = None  # only a packed layer uses them
             self.int8_codes = self.int8_scales = self.int8_lows = None
@@ -259,7 +292,8 @@ class FusedInt4(Int4Copy, nn.Module):
     """Several Linear layers reading the same input (q/k/v, gate/up) as one 4-bit matmul
     for decode-sized calls: one kernel call and one pass over the input instead of several.
     Built while the weights are float32 and exactly 4-bit (else `int4` stays None and the
-    layers run on their own); the layers then drop their own 4-bit copies. Prefill keeps
+    layers run on their own); the layers then keep no decode copies of their own
+    (`fused_int4`: built before they look for them, or they drop theirs). Prefill keeps
     the layers' packed dense weights (their fused activation post-ops pay there)."""
 
     def __init__(self, parts: list[Linear]) -> None:
@@ -268,17 +302,21 @@ class FusedInt4(Int4Copy, nn.Module):
         self.sizes = [p.out_features for p in parts]
         Int4Copy.init(self)
         self.register_buffer("bias", None, persistent=False)
-        if any(p.weight is None for p in parts):
+        if all(p.quant is not None for p in parts):
+            quant = QuantCodes.cat_rows([p.quant for p in parts])
+            found = None if quant is None else int4_codes(quant)
+        elif all(p.weight is not None for p in parts):
+            found = exact_int4(torch.cat([p.weight.detach() for p in parts]))
+        else:
             return
-        found = exact_int4(torch.cat([p.weight.detach() for p in parts]))
-        if found is None or not all(can_pack(p.weight) for p in parts):
+        if found is None or not all(p.packable() for p in parts):
             return
         self.int4 = int4_pack(*found)
         if any(p.bias is not None for p in parts):
             self.bias = torch.cat([p.bias.detach() if p.bias is not None else torch.zeros(p.out_features)
                                    for p in parts])
-        for p in parts:
-            p.int4 = None
+        for p in parts:  # decode reads this copy, prefill their packed weights
+            p.int4, p.fused_int4 = None, True
 
     def cast(self, dtype: torch.dtype) -> None:
         """To the activation dtype (after the model is cast); dropped for a dtype the 4-bit

@@ -62,18 +62,24 @@ class CausalLM(nn.Module):
 
     def prepare_weights(self, dtype: torch.dtype) -> None:
         """Cast to the compute dtype and prepack the linear weights for the CPU (see
-        layers.linear). 4-bit weights (else int8 ones) are recognised first, while
-        float32 holds them exactly; float32 norms keep their float32 weights; an exactly
-        int8 token embedding is then looked up from its codes (layers.embedding). Call
-        once, on the final device, after any edit of the plain weights."""
+        layers.linear). The 4-bit copies (else int8 ones) are taken first: from the file's
+        codes where the loader read them (layers.quant), else found in the float32
+        weights, which hold them exactly only before rounding to 16 bits. Weights a lazy
+        load left as codes are made dense here, each straight in `dtype`. float32 norms keep
+        their float32 weights; an int8 token embedding is then looked up from its codes
+        (layers.embedding). Call once, on the final device, after any edit of the weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
-        for m in linears:
-            m.find_int4()
-            m.find_int8()  # where there is no 4-bit copy
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
+        for m in linears:  # the others (and the parts of a fusion that did not apply)
+            m.find_int4()
+            m.find_int8()  # where there is no 4-bit copy
         embed = self.model.embed_tokens
-        embed.find_int8(self.lm_head if self.config.tie_word_embeddings else None)
+        tied = self.config.tie_word_embeddings
+        embed.find_int8(self.lm_head if tied else None)
+        if tied:  # the projection packs the embedding's dense weight
+            embed.materialize(dtype)
+            self.lm_head.weight = embed.weight
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         # float32 scales and minimums of the int8 copies: exact
         scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}
@@ -85,7 +91,8 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, FusedInt4):
                 m.cast(dtype)
-        for m in linears:
+        for m in linears:  # one plain dense weight at a time: packing replaces it
+            m.materialize(dtype)
             m.pack()
         embed.compact(dtype, INT8_DTYPES)
 

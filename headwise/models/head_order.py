@@ -9,12 +9,13 @@ from __future__ import annotations
 import torch
 
 from headwise.cache.layout import HeadLayout
+from headwise.layers.linear import Linear
 from headwise.models.causal_lm import CausalLM
 
 
-def _rows(weight: torch.Tensor, order: list[int], head_dim: int) -> torch.Tensor:
-    idx = torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim, device=weight.device) for h in order])
-    return weight.index_select(0, idx)
+def _index(order: list[int], head_dim: int) -> torch.Tensor:
+    # rows (or columns) of the heads in `order`, head_dim each
+    return torch.cat([torch.arange(h * head_dim, (h + 1) * head_dim) for h in order])
 
 
 @torch.no_grad()
@@ -28,7 +29,20 @@ def permute_model_heads(model: CausalLM, layout: HeadLayout) -> None:
         q_order = [h * g + j for h in kv_order for j in range(g)]
         att = layer.self_attn
         for proj, order in ((att.q_proj, q_order), (att.k_proj, kv_order), (att.v_proj, kv_order)):
-            proj.weight.copy_(_rows(proj.weight, order, D))
+            _permute(proj, _index(order, D), 0)
             if proj.bias is not None:
-                proj.bias.copy_(_rows(proj.bias, order, D))
-        att.o_proj.weight.copy_(_rows(att.o_proj.weight.t(), q_order, D).t())
+                proj.bias.copy_(proj.bias.index_select(0, _index(order, D).to(proj.bias.device)))
+        _permute(att.o_proj, _index(q_order, D), 1)
+
+
+def _permute(proj: Linear, idx: torch.Tensor, dim: int) -> None:
+    """proj's weight rows (dim 0) or columns (1) in the order `idx`; the file's codes
+    (layers.quant) move along, or are dropped where columns split their groups (the decode
+    copy is then searched for in the dense weight)."""
+    if proj.quant is not None:
+        moved = proj.quant.take_rows(idx) if dim == 0 else proj.quant.take_columns(idx)
+        if moved is None and proj.weight is None:
+            proj.materialize(torch.float32)  # loaded lazily: the dense weight moves instead
+        proj.quant = moved
+    if proj.weight is not None:
+        proj.weight.copy_(proj.weight.index_select(dim, idx.to(proj.weight.device)))

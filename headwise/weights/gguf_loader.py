@@ -1,15 +1,18 @@
-"""Read a GGUF file: model config from its metadata, weights dequantized to float32
-tensors with HF parameter names."""
+"""Read a GGUF file: model config from its metadata, weights as float32 tensors with HF
+parameter names, and, for the block formats weights.gguf_codes reads, their codes and
+scales (the decode copies are taken from those; the dense weights are computed from
+them)."""
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from headwise.models.config import (GEMMA3_LOCAL_ROPE_THETA, SUPPORTED_ARCHITECTURES, ModelConfig,
                                     UnsupportedModelError, gemma3_layer_types)
-from headwise.weights.gguf_file import GGUFFile
+from headwise.layers.quant import QuantCodes
+from headwise.weights.gguf_codes import read_codes
+from headwise.weights.gguf_file import DEQUANT_THREADS, GGUFFile
 
 _LAYER_NAMES = {
     "attn_norm": "input_layernorm",
@@ -91,31 +94,46 @@ def read_config(reader: GGUFFile, name: str) -> ModelConfig:
     )
 
 
-def _unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
-    # llama.cpp's converter interleaves the two rotary halves of each Llama/Mistral q/k
-    # head; undo it so the weights match the half-split rotary used here.
-    dim = w.shape[0] // n_head // 2
-    return w.reshape(n_head, dim, 2, *w.shape[1:]).swapaxes(2, 1).reshape(w.shape)
+def _unpermute_index(rows: int, n_head: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's converter, which interleaves the two rotary
+    halves of each Llama/Mistral q/k head (the rotary here is half-split): row r of the
+    result is row index[r] of the file's tensor."""
+    return torch.arange(rows).view(n_head, rows // n_head // 2, 2).transpose(1, 2).reshape(-1)
 
 
-def load_gguf(path: Path, name: str) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+def load_gguf(path: Path, name: str, dense: bool = True) -> tuple[ModelConfig, dict[str, torch.Tensor],
+                                                                  dict[str, QuantCodes]]:
+    """(config, float32 state dict, codes of the weights stored in a block format
+    weights.gguf_codes reads, by the same names). dense=False: those weights are left out
+    of the state dict (their codes say it all: layers.quant)."""
     reader = GGUFFile(path)
     cfg = read_config(reader, name)
     permute = cfg.architecture in ("llama", "mistral")
     layer_names = _GEMMA3_LAYER_NAMES if cfg.architecture == "gemma3" else _LAYER_NAMES
     state: dict[str, torch.Tensor] = {}
+    codes: dict[str, QuantCodes] = {}
     for t in reader.tensors:
-        w = t.dequantize()  # writable, its own memory
+        heads = None
         if t.name in _GLOBAL_NAMES:
             key = _GLOBAL_NAMES[t.name]
         else:
             parts = t.name.split(".")  # blk.N.kind.(weight|bias)
             if parts[0] != "blk" or parts[2] not in layer_names:
                 raise UnsupportedModelError(f"unexpected tensor {t.name!r} in {path}")
-            if permute and parts[2] == "attn_q":
-                w = _unpermute(w, cfg.num_heads)
-            elif permute and parts[2] == "attn_k":
-                w = _unpermute(w, cfg.num_kv_heads)
+            if permute and parts[2] in ("attn_q", "attn_k"):
+                heads = cfg.num_heads if parts[2] == "attn_q" else cfg.num_kv_heads
             key = f"model.layers.{parts[1]}.{layer_names[parts[2]]}.{parts[3]}"
-        state[key] = torch.from_numpy(w)
-    return cfg, state
+        found = read_codes(t.data, t.qtype, DEQUANT_THREADS) if len(t.shape) == 2 else None
+        if found is not None:
+            if heads is not None:
+                found = found.take_rows(_unpermute_index(found.shape[0], heads))
+            codes[key] = found
+            if not dense:
+                continue
+            w = found.dense()
+        else:
+            w = torch.from_numpy(t.dequantize())  # writable, its own memory
+            if heads is not None:
+                w = w[_unpermute_index(w.shape[0], heads)]
+        state[key] = w
+    return cfg, state, codes

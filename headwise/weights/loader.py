@@ -69,16 +69,21 @@ def load_tokenizer(model: str | None) -> Tokenizer:
     return Tokenizer.from_path(path)
 
 
-def load_model(model: str | None, dtype: torch.dtype,
-               device: torch.device | str = "cpu") -> tuple[CausalLM, Tokenizer]:
+def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+               lazy: bool = False) -> tuple[CausalLM, Tokenizer]:
+    """The model and its tokenizer. lazy (CPU only): a GGUF's block-format weights stay
+    their codes (`quant` of their Linear or Embedding, weight None) until
+    CausalLM.prepare_weights makes each dense in the compute dtype, so the whole model is
+    never held in float32 (Qwen2.5-Coder-1.5B: 6.2 GB); such a model runs only prepared."""
     path = resolve_model_path(model)
     name = model_name(path)
+    lazy = lazy and torch.device(device).type == "cpu"
     if path.is_file():
         if path.suffix != ".gguf":
             raise UnsupportedModelError(f"{path} is neither a .gguf file nor a model directory")
-        cfg, state = load_gguf(path, name)
+        cfg, state, codes = load_gguf(path, name, dense=not lazy)
     else:
-        cfg, state = load_hf_dir(path, name)
+        (cfg, state), codes = load_hf_dir(path, name), {}
     tokenizer = load_tokenizer(model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
@@ -86,14 +91,23 @@ def load_model(model: str | None, dtype: torch.dtype,
         model_ = CausalLM(cfg)
     model_ = model_.to_empty(device="cpu")
     missing, unexpected = model_.load_state_dict(state, strict=False, assign=True)
-    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")
+               and m not in codes]
     if missing or unexpected:
         raise UnsupportedModelError(
             f"weights of {path} do not match a {cfg.architecture} model: "
             f"missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
+    for key, quant in codes.items():  # the decode copies are taken from these (layers.quant)
+        module = model_.get_submodule(key.rsplit(".", 1)[0])
+        if not (key.endswith(".weight") and hasattr(module, "quant")):
+            raise UnsupportedModelError(f"{path}: {key} is quantized but not a projection or embedding weight")
+        module.quant = quant
+        if key not in state:  # lazy: no dense weight until prepare_weights
+            module.weight = None
     if cfg.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight
+        model_.lm_head.quant = model_.model.embed_tokens.quant
     # The rotary tables were created on meta; build them for real.
     model_.model.build_rotary(cfg, device)
     return model_.to(dtype=dtype, device=device).eval(), tokenizer
