@@ -133,6 +133,22 @@ class GGUFFile:
         self._pos += n
         return out
 
+    def _skip_strings(self, n: int) -> int:
+        """The offset after n strings from here. Read from bytes copied in spans, not
+        through the memmap per string (Qwen2.5's 151,646 tokens: 1.8 s that way)."""
+        pos, span, chunk = self._pos, b"", 1 << 20
+        start = pos  # file offset of span[0]
+        for _ in range(n):
+            if pos + 8 - start > len(span):
+                if pos + 8 > len(self._buf):
+                    raise GGUFFormatError(f"{self.path} is truncated")
+                start, span = pos, bytes(self._buf[pos: pos + chunk])
+            (length,) = struct.unpack_from("<Q", span, pos - start)
+            pos += 8 + length
+        if pos > len(self._buf):
+            raise GGUFFormatError(f"{self.path} is truncated")
+        return pos
+
     def _unpack(self, fmt: str) -> tuple:
         return struct.unpack(fmt, bytes(self._take(struct.calcsize(fmt))))
 
@@ -154,8 +170,6 @@ class GGUFFile:
             values = self._take(n * dt.itemsize).view(dt)
             return values.tolist() if n <= 4096 else values  # long ones stay a view of the file
         if etype == _STRING:  # skipped: each is a length and that many bytes
-            for _ in range(n):
-                (length,) = self._unpack("<Q")
-                self._pos += length
+            self._pos = self._skip_strings(n)
             return StringArray(n)
         return [self._value(etype) for _ in range(n)]
