@@ -85,8 +85,15 @@ class EngineConfig:
                                       "CUDA graphs on CUDA with the Triton backend, torch.compile where "
                                       "that pays: CPU decode over 4-bit weights; --no-enforce-eager: "
                                       "compiled wherever it compiles, graphs on CUDA too)", bool)
+    compile_in_background: bool = _opt(False, "on the CPU, do not wait for the decode step to compile: "
+                                       "start at once, decode eagerly until the compiled step is ready "
+                                       "(about 10 s later)", bool)
     enable_prefix_caching: bool = _opt(True, "reuse the KV of prompt prefixes seen before (full-head "
                                        "blocks and window-head state)", bool)
+    prepared_weights_cache: bool = _opt(True, "keep a GGUF model's prepared weights (packed, with their "
+                                        "decode copies) under the cache directory, so the next start with "
+                                        "the same dtype and layout skips loading and preparing (safe to "
+                                        "delete: $HEADWISE_CACHE_DIR/prepared)", bool)
     kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "
                                       "memory are written there and read back instead of recomputed, "
                                       "also by a later process", str)
@@ -110,6 +117,10 @@ class EngineConfig:
             raise ConfigError("kv_offload_dir / kv_offload_host_bytes need enable_prefix_caching=True")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
+        if not isinstance(self.compile_in_background, bool):
+            raise ConfigError(f"compile_in_background must be True or False, got {self.compile_in_background!r}")
+        if not isinstance(self.prepared_weights_cache, bool):
+            raise ConfigError(f"prepared_weights_cache must be True or False, got {self.prepared_weights_cache!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
             raise ConfigError(f"enforce_eager must be True, False or None, got {self.enforce_eager!r}")
         for name in ("max_model_len", "max_queue", "num_threads"):

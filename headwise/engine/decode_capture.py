@@ -23,12 +23,16 @@ False the graphs capture the compiled body.
 Compilation happens at start (warm-up with dry steps of 1 and 2 tokens; the second compile
 covers 2-8 tokens with a dynamic size), not in a request's latency; its seconds are logged
 and kept in `compile_s`. Where it fails (no C++ compiler, an op Inductor cannot handle) the
-engine runs eagerly, with one log line.
+engine runs eagerly, with one log line. With EngineConfig.compile_in_background the
+engine does not wait for it: a thread compiles while steps run eagerly, and the compiled
+graph takes over once both sizes are ready (the CPU only: CUDA graphs capture the
+compiled body at start).
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
 import types
 
@@ -83,6 +87,8 @@ class DecodeCapture:
         else:
             self.enabled = not enforce_eager
         self.graph = None
+        self.ready = threading.Event()  # set once the compiled graph may run
+        self.compiler: threading.Thread | None = None
         if self.enabled:
             for m in model.modules():
                 if isinstance(m, (Linear, HeadSplitAttention)):
@@ -92,7 +98,7 @@ class DecodeCapture:
             self.graph = torch.compile(body, dynamic=None, options=options)
 
     def applies(self, num_tokens: int) -> bool:
-        return self.enabled and num_tokens <= CAPTURE_MAX_TOKENS
+        return self.enabled and self.ready.is_set() and num_tokens <= CAPTURE_MAX_TOKENS
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """input_ids, positions [T] -> the last layer's output [T, hidden]: the compiled
@@ -108,13 +114,29 @@ class DecodeCapture:
         # input_ids, positions: [T]; returns float32 logits [len(logits_indices), V]
         return self.model.logits(self.hidden_states(input_ids, positions), logits_indices)
 
-    def warm_up(self) -> None:
+    def warm_up(self, background: bool = False) -> None:
         """Compile for every size in WARMUP_TOKENS with dry steps (attention returns zeros
-        and writes no cache); on failure, fall back to eager for good."""
+        and writes no cache); on failure, fall back to eager for good. background: on a
+        daemon thread, steps running eagerly until it is done (wait() joins it)."""
         if not self.enabled:
             return
-        log.info("compiling the decode step (about 10 s; up to a few minutes the first time on a "
-                 "machine, then cached; enforce_eager=True / --enforce-eager skips it)")
+        log.info("compiling the decode step%s (about 10 s; up to a few minutes the first time on a "
+                 "machine, then cached; enforce_eager=True / --enforce-eager skips it)",
+                 " in the background" if background else "")
+        if background:
+            self.compiler = threading.Thread(target=self._compile, name="decode-capture", daemon=True)
+            self.compiler.start()
+        else:
+            self._compile()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until a background compile is done (or `timeout` s); whether the
+        compiled graph now runs."""
+        if self.compiler is not None:
+            self.compiler.join(timeout)
+        return self.enabled and self.ready.is_set()
+
+    def _compile(self) -> None:
         t0 = time.perf_counter()
         for n in WARMUP_TOKENS:
             # Made as the model runner makes its inputs (outside inference mode), so the
@@ -129,5 +151,6 @@ class DecodeCapture:
                 warn_eager(log, "decode capture unavailable, running eagerly", e)
                 return
         self.compile_s = time.perf_counter() - t0
+        self.ready.set()
         log.info("decode step captured for steps of 1-%d tokens (compiled in %.1f s)",
                  CAPTURE_MAX_TOKENS, self.compile_s)

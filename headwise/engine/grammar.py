@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
 import torch
 
 from headwise.errors import InvalidParameterError
@@ -65,7 +64,10 @@ class GrammarCompiler:
         """Set to -inf, in place, the logits [S, V] of tokens each row's grammar forbids now."""
         words = (logits.shape[1] + 31) // 32
         bitmask = torch.full((len(rows), words), -1, dtype=torch.int32)
-        llguidance.torch.fill_next_token_bitmask_par(self.executor, list(zip(matchers, range(len(rows)))), bitmask)
+        # llguidance.torch's fill_next_token_bitmask_par is this call (its module imports
+        # torch._dynamo: 2 s of every start): row j's mask into bitmask[j], 4 bytes a word
+        self.executor.unsafe_compute_mask_ptr(list(zip(matchers, range(len(rows)))), bitmask.data_ptr(),
+                                              words * 4, len(rows))
         for j, m in enumerate(matchers):
             if m.is_error():  # past a limit mid-way: the engine ends the sequence with the error
                 bitmask[j] = -1

@@ -19,8 +19,11 @@ from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
-from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_model, model_identity,
-                                     release_freed_heap)
+from headwise.models.causal_lm import CausalLM
+from headwise.weights.loader import (checkpoint_dtype, keep_freed_heap, load_tokenizer, load_weights, model_identity,
+                                     read_model_config, release_freed_heap, resolve_model_path)
+from headwise.weights.prepared import PreparedWeights
+from headwise.weights.registry import cache_dir
 
 # Most logits prompt_logprobs holds at once (float32 elements; 2 GiB)
 LOGPROB_ELEMENTS = 1 << 29
@@ -72,13 +75,10 @@ class LLMEngine:
         if loaded:
             self.model, self.tokenizer = loaded
             self.dtype = next(self.model.parameters()).dtype
+            mcfg = self.model.config
         else:
             self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
-            # Loaded as float32 and cast below, after the 4-bit weights are recognised
-            # (exactly only before rounding to 16 bits); a GGUF's block-format weights stay
-            # codes until then (lazy), made dense one at a time in the compute dtype.
-            self.model, self.tokenizer = load_model(config.model, torch.float32, config.torch_device, lazy=True)
-        mcfg = self.model.config
+            mcfg = read_model_config(config.model)
         self.model_config = mcfg
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
@@ -86,11 +86,17 @@ class LLMEngine:
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
                                      default=shipped_layout(mcfg.name, shape) or native, native=native)
         check_native_windows(self.layout, mcfg)
-        if config.window_positions == "rebased" and len(self.model.model.rotaries) > 1:
+        bases = len({mcfg.rope_theta_of(l) for l in range(mcfg.num_layers)})
+        if config.window_positions == "rebased" and bases > 1:
             raise ConfigError("window_positions='rebased' needs one rotary base for every layer; "
-                              f"{mcfg.name} has {len(self.model.model.rotaries)}")
-        permute_model_heads(self.model, self.layout)
-        self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+                              f"{mcfg.name} has {bases}")
+        self.prepared: PreparedWeights | None = None
+        if loaded:
+            permute_model_heads(self.model, self.layout)
+            self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+        else:
+            self.model = self._prepared_model(config, mcfg)
+            self.tokenizer = load_tokenizer(config.model)
         release_freed_heap()  # before the KV pools are allocated
         keep_freed_heap()  # then a step's temporaries reuse memory instead of faulting in pages
         limit = mcfg.max_position_embeddings
@@ -113,13 +119,35 @@ class LLMEngine:
                                             config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))
         self.runner = ModelRunner(self.model, self.cache, self.dtype, config.torch_device,
                                   config.backend, config.window_positions, config.enforce_eager,
-                                  config.max_num_seqs, self.max_model_len)
+                                  config.max_num_seqs, self.max_model_len, config.compile_in_background)
         self.scheduler = Scheduler(self.cache, config.max_num_seqs,
                                    config.max_num_batched_tokens, config.max_queue)
         self.eos_ids = set(mcfg.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.grammar = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+
+    def _prepared_model(self, config: EngineConfig, mcfg) -> CausalLM:
+        """The model with its heads in the layout's order and its weights prepared: read
+        from the prepared-weights cache (weights.prepared) where it holds this model file,
+        dtype and head order; else loaded, permuted, prepared, and written there in the
+        background."""
+        path = resolve_model_path(config.model)
+        if config.prepared_weights_cache and config.torch_device.type == "cpu" and path.is_file():
+            order = [self.layout.head_order(l) for l in range(mcfg.num_layers)]
+            self.prepared = PreparedWeights(cache_dir() / "prepared", path, self.dtype, order)
+            model = self.prepared.load(mcfg)
+            if model is not None:
+                return model
+        # Loaded as float32 and cast in prepare_weights, after the 4-bit weights are
+        # recognised (exactly only before rounding to 16 bits); a GGUF's block-format
+        # weights stay codes until then (lazy), made dense one at a time in the compute dtype.
+        model = load_weights(config.model, torch.float32, config.torch_device, lazy=True)
+        permute_model_heads(model, self.layout)
+        model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+        if self.prepared is not None:
+            self.prepared.save_in_background(model)
+        return model
 
     # ---- requests -----------------------------------------------------------------
     def encode(self, prompt: "str | list[int]") -> list[int]:

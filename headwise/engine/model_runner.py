@@ -20,7 +20,8 @@ class ModelRunner:
     def __init__(self, model: CausalLM, cache: KVCacheManager, dtype: torch.dtype,
                  device: torch.device | str = "cpu", backend: str = "torch",
                  window_positions: str = "original", enforce_eager: bool | None = None,
-                 max_num_seqs: int = 1, max_model_len: int | None = None) -> None:
+                 max_num_seqs: int = 1, max_model_len: int | None = None,
+                 compile_in_background: bool = False) -> None:
         self.model = model
         self.cache = cache
         self.dtype = dtype
@@ -45,7 +46,8 @@ class ModelRunner:
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)
-        self.forward.warm_up()
+        # In the background only where nothing below needs the compiled body at start.
+        self.forward.warm_up(background=compile_in_background and capturer is None)
         self.graphs = None
         if capturer is not None:
             max_len = max_model_len or model.config.max_position_embeddings

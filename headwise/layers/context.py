@@ -6,6 +6,7 @@ layer: slot ids, block tables, ring slots, and the window heads' geometry.
 """
 from __future__ import annotations
 
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -62,21 +63,25 @@ class StepContext:
     dry_run: bool = False
 
 
-_CONTEXT: StepContext | None = None
+# Per thread: a decode step compiling in the background (engine.decode_capture) runs its
+# dry steps while the engine thread runs real ones.
+_LOCAL = threading.local()
 
 
 @contextmanager
 def step_context(ctx: StepContext):
-    """Layers called inside the block read `ctx`; the context set before comes back after."""
-    global _CONTEXT
-    prev, _CONTEXT = _CONTEXT, ctx
+    """Layers called inside the block, on this thread, read `ctx`; the context set before
+    comes back after."""
+    prev = getattr(_LOCAL, "ctx", None)
+    _LOCAL.ctx = ctx
     try:
         yield ctx
     finally:
-        _CONTEXT = prev
+        _LOCAL.ctx = prev
 
 
 def get_context() -> StepContext:
-    if _CONTEXT is None:
+    ctx = getattr(_LOCAL, "ctx", None)
+    if ctx is None:
         raise RuntimeError("attention called outside a model-runner step")
-    return _CONTEXT
+    return ctx

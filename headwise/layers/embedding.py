@@ -57,7 +57,7 @@ class Embedding(nn.Module):
 
     def materialize(self, dtype: torch.dtype) -> None:
         """The dense weight in `dtype` from the file's codes where loading left it out
-        (weights.loader.load_model's lazy mode), then the codes are dropped."""
+        (weights.loader.load_weights' lazy mode), then the codes are dropped."""
         if self.weight is None and self.quant is not None:
             self.weight = nn.Parameter(self.quant.dense(dtype), requires_grad=False)
         self.quant = None

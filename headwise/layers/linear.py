@@ -206,7 +206,7 @@ class Linear(Int4Copy, nn.Module):
 
     def materialize(self, dtype: torch.dtype) -> None:
         """The dense weight in `dtype` from the file's codes where loading left it out
-        (weights.loader.load_model's lazy mode); one float32 temporary at a time."""
+        (weights.loader.load_weights' lazy mode); one float32 temporary at a time."""
         if self.weight is None and self.quant is not None:
             self.weight = nn.Parameter(self.quant.dense(dtype), requires_grad=False)
 

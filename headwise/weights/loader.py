@@ -71,7 +71,13 @@ def load_tokenizer(model: str | None) -> Tokenizer:
 
 def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
                lazy: bool = False) -> tuple[CausalLM, Tokenizer]:
-    """The model and its tokenizer. lazy (CPU only): a GGUF's block-format weights stay
+    """The model (load_weights) and its tokenizer."""
+    return load_weights(model, dtype, device, lazy), load_tokenizer(model)
+
+
+def load_weights(model: str | None, dtype: torch.dtype, device: torch.device | str = "cpu",
+                 lazy: bool = False) -> CausalLM:
+    """The model with its weights. lazy (CPU only): a GGUF's block-format weights stay
     their codes (`quant` of their Linear or Embedding, weight None) until
     CausalLM.prepare_weights makes each dense in the compute dtype, so the whole model is
     never held in float32 (Qwen2.5-Coder-1.5B: 6.2 GB); such a model runs only prepared."""
@@ -84,7 +90,6 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         cfg, state, codes = load_gguf(path, name, dense=not lazy)
     else:
         (cfg, state), codes = load_hf_dir(path, name), {}
-    tokenizer = load_tokenizer(model)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
@@ -110,7 +115,7 @@ def load_model(model: str | None, dtype: torch.dtype, device: torch.device | str
         model_.lm_head.quant = model_.model.embed_tokens.quant
     # The rotary tables were created on meta; build them for real.
     model_.model.build_rotary(cfg, device)
-    return model_.to(dtype=dtype, device=device).eval(), tokenizer
+    return model_.to(dtype=dtype, device=device).eval()
 
 
 def release_freed_heap() -> bool:

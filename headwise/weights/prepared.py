@@ -1,0 +1,253 @@
+"""Prepared weights on disk: what CausalLM.prepare_weights leaves (decode copies, norms,
+biases, and each packed weight in plain layout), so a later start of the same model,
+dtype and head order skips loading and preparing.
+
+An entry is a directory under <cache dir>/prepared named by a key over everything the
+tensors depend on: the model file's identity (path, size, modification time, a hash of
+its first MiB), the compute dtype, the layout's head order, torch's version, and the
+source of the code that prepares weights (so a change there never reads an old entry).
+Files of an entry:
+    manifest.json  the config, and per tensor its module, attribute, kind, dtype, shape,
+                   file and offset
+    kept.bin       tensors the model keeps (4-bit and int8 copies, norms, biases): mapped
+                   copy-on-write and used in place, so untouched pages are never read
+    dense.bin      packed weights in plain layout: read once, packed for oneDNN, unmapped
+Raw bytes, not torch.save: writing is bound by the disk either way, and a plain file maps
+with no parsing. Entries are written on a background thread after the engine is ready,
+into a temporary directory renamed into place, so a reader never sees half an entry; the
+least recently used entries go beyond PREPARED_BYTES. The directory is safe to delete. An
+entry that does not read back (damaged, or it does not fit the model) is deleted and
+rebuilt, with one log line.
+"""
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+import headwise
+from headwise.layers.linear import Linear
+from headwise.layers.norm import RMSNorm
+from headwise.models.causal_lm import CausalLM
+from headwise.models.config import ModelConfig
+
+log = logging.getLogger("headwise.prepared")
+
+FORMAT = 1
+PREPARED_BYTES = 16 << 30  # the cache directory's bound (least recently used go first)
+ALIGN = 64
+STALE_TMP_S = 3600  # a temporary directory this old is a writer that died
+# The code whose output an entry holds: any change to it is a new key.
+_SOURCES = ("layers/linear.py", "layers/embedding.py", "layers/quant.py", "layers/norm.py",
+            "models/causal_lm.py", "models/head_order.py", "models/llama.py", "models/gemma3.py",
+            "weights/gguf_codes.py", "weights/gguf_loader.py", "weights/prepared.py",
+            "kernels/int8_matmul.py")
+_DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
+                               torch.int32, torch.int64)}
+
+
+class PreparedError(ValueError):
+    """An entry that does not read back into the model."""
+
+
+def _code_hash() -> str:
+    root = Path(headwise.__file__).parent
+    h = hashlib.sha256()
+    for rel in _SOURCES:
+        h.update(rel.encode())
+        h.update((root / rel).read_bytes())
+    return h.hexdigest()
+
+
+def file_identity(path: Path) -> list:
+    """A model file's resolved path, size, modification time and the hash of its first MiB."""
+    path = path.resolve()
+    st = path.stat()
+    with open(path, "rb") as f:
+        head = hashlib.sha256(f.read(1 << 20)).hexdigest()
+    return [str(path), st.st_size, st.st_mtime_ns, head]
+
+
+class PreparedWeights:
+    """The cache entry of one (model file, dtype, head order)."""
+
+    def __init__(self, root: Path, model_path: Path, dtype: torch.dtype, head_order: list[list[int]]) -> None:
+        self.root = Path(root)
+        ident = json.dumps({"format": FORMAT, "headwise": headwise.__version__, "torch": torch.__version__,
+                            "code": _code_hash(), "file": file_identity(model_path), "dtype": str(dtype),
+                            "head_order": head_order})
+        self.key = hashlib.sha256(ident.encode()).hexdigest()[:32]
+        self.dir = self.root / self.key
+        self.dtype = dtype
+        self.writer: threading.Thread | None = None
+
+    # ---- reading ------------------------------------------------------------------
+    def load(self, cfg: ModelConfig) -> CausalLM | None:
+        """The prepared model, or None where there is no entry. An entry that does not read
+        back is deleted (one log line) and None returned: the caller prepares anew."""
+        manifest = self.dir / "manifest.json"
+        if not manifest.exists():
+            return None
+        t0 = time.perf_counter()
+        try:
+            model = self._read(cfg, json.loads(manifest.read_text()))
+        except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            log.warning("prepared weights %s do not read back (%s: %s); deleting them and preparing anew",
+                        self.dir, type(e).__name__, e)
+            shutil.rmtree(self.dir, ignore_errors=True)
+            return None
+        os.utime(manifest)  # recently used
+        log.info("prepared weights read from %s in %.1f s", self.dir, time.perf_counter() - t0)
+        return model
+
+    def _read(self, cfg: ModelConfig, manifest: dict) -> CausalLM:
+        if manifest.get("format") != FORMAT or manifest.get("config") != _config_json(cfg):
+            raise PreparedError("written for another model or format")
+        maps = {name: np.memmap(self.dir / name, dtype=np.uint8, mode="c")
+                for name in ("kept.bin", "dense.bin") if (self.dir / name).stat().st_size}
+        with torch.device("meta"):
+            model = CausalLM(cfg)
+        modules = dict(model.named_modules())
+        for m in modules.values():  # nothing is kept but what the entry holds
+            for attr in list(m._parameters):
+                m._parameters[attr] = None
+            for attr in list(m._buffers):
+                m._buffers[attr] = None
+        for m in list(modules.values()):
+            if hasattr(m, "fuse_int4"):
+                m.fuse_int4()  # the fused modules, empty (their parts have no weights)
+        modules = dict(model.named_modules())
+        packs = []
+        for e in manifest["tensors"]:
+            module = modules[e["module"]]
+            size = int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[e["dtype"]].itemsize
+            raw = maps[e["file"]][e["offset"]: e["offset"] + size]
+            if len(raw) != size:
+                raise PreparedError(f"{e['file']} is truncated")
+            t = torch.from_numpy(raw).view(_DTYPES[e["dtype"]]).view(e["shape"])
+            if e["kind"] == "parameter" or e["kind"] == "packed":
+                setattr(module, e["attr"], nn.Parameter(t, requires_grad=False))
+            else:
+                setattr(module, e["attr"], t)
+            if e["kind"] == "packed":
+                packs.append(module)
+        with ThreadPoolExecutor(2) as pool:  # oneDNN's reorder runs on one core; the GIL is released
+            if not all(pool.map(Linear.pack, packs)):
+                raise PreparedError("a weight did not pack")
+        model.model.embed_tokens.dtype = self.dtype
+        _check_complete(model)
+        model.model.build_rotary(cfg, "cpu")
+        return model.eval()
+
+    # ---- writing ------------------------------------------------------------------
+    def save_in_background(self, model: CausalLM) -> None:
+        """Write the entry on a daemon thread (engine start does not wait); nothing where
+        it exists or another writer is at it."""
+        if self.dir.exists() or any(self.root.glob(f".tmp-{self.key}-*")):
+            return
+        self.writer = threading.Thread(target=self._save_logged, args=(model,), name="prepared-weights",
+                                       daemon=True)
+        self.writer.start()
+
+    def _save_logged(self, model: CausalLM) -> None:
+        try:
+            self.save(model)
+        except OSError as e:  # a full disk, a read-only cache: the engine runs on
+            log.warning("prepared weights not saved to %s: %s", self.dir, e)
+
+    def save(self, model: CausalLM) -> None:
+        t0 = time.perf_counter()
+        self.root.mkdir(parents=True, exist_ok=True)
+        _sweep(self.root)
+        tmp = self.root / f".tmp-{self.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp.mkdir()
+        try:
+            entries = []
+            with open(tmp / "kept.bin", "wb") as kept, open(tmp / "dense.bin", "wb") as dense:
+                for name, m in model.named_modules():
+                    tensors = [(a, t, "parameter") for a, t in m._parameters.items()] + \
+                              [(a, t, "buffer") for a, t in m._buffers.items()]
+                    if isinstance(m, Linear) and m.packed is not None:
+                        tensors.append(("weight", m.packed, "packed"))
+                    for attr, t, kind in tensors:
+                        if t is None or (kind == "buffer" and attr in ("cos", "sin")):
+                            continue
+                        plain = t.to_dense() if kind == "packed" else t.detach().contiguous()
+                        f = dense if kind == "packed" else kept
+                        entries.append(_write(f, plain, name, attr, kind))
+            (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "config": _config_json(model.config),
+                                                           "tensors": entries}))
+            try:
+                os.rename(tmp, self.dir)
+            except OSError:  # another writer was first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        size = sum(p.stat().st_size for p in self.dir.iterdir())
+        log.info("prepared weights saved to %s (%.0f MiB, %.1f s)", self.dir, size / 2**20, time.perf_counter() - t0)
+        _evict(self.root, PREPARED_BYTES, keep=self.dir)
+
+
+def _check_complete(model: CausalLM) -> None:
+    """Raise PreparedError unless every layer has what it runs on."""
+    embed = model.model.embed_tokens
+    missing = [name for name, m in model.named_modules()
+               if (isinstance(m, Linear) and m.packed is None and m.weight is None)
+               or (isinstance(m, RMSNorm) and m.weight is None)]
+    if embed.weight is None and embed.int8_codes is None:
+        missing.append("model.embed_tokens")
+    if missing or any(t.is_meta for t in list(model.parameters()) + list(model.buffers())):
+        raise PreparedError(f"the entry lacks weights of {missing[:3] or 'some layers'}")
+
+
+def _write(f, t: torch.Tensor, module: str, attr: str, kind: str) -> dict:
+    pad = -f.tell() % ALIGN
+    f.write(b"\0" * pad)
+    offset = f.tell()
+    f.write(memoryview(t.view(-1).view(torch.uint8).numpy()) if t.numel() else b"")
+    return {"module": module, "attr": attr, "kind": kind, "dtype": str(t.dtype), "shape": list(t.shape),
+            "file": os.path.basename(f.name), "offset": offset}
+
+
+def _config_json(cfg: ModelConfig) -> dict:
+    return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
+
+
+def _sweep(root: Path) -> None:
+    """Remove temporary directories of writers that died."""
+    for p in root.glob(".tmp-*"):
+        try:
+            if time.time() - p.stat().st_mtime > STALE_TMP_S:
+                shutil.rmtree(p, ignore_errors=True)
+        except OSError:
+            pass
+
+
+def _evict(root: Path, bound: int, keep: Path) -> None:
+    """Delete the least recently used entries (by their manifest's time) beyond `bound` bytes."""
+    entries = []
+    for d in root.iterdir():
+        if d.name.startswith(".") or not (d / "manifest.json").exists():
+            continue
+        entries.append(((d / "manifest.json").stat().st_mtime, sum(p.stat().st_size for p in d.iterdir()), d))
+    total = sum(e[1] for e in entries)
+    for _, size, d in sorted(entries):
+        if total <= bound:
+            break
+        if d != keep:
+            shutil.rmtree(d, ignore_errors=True)
+            total -= size
