@@ -26,7 +26,10 @@ and kept in `compile_s`. Where it fails (no C++ compiler, an op Inductor cannot 
 engine runs eagerly, with one log line. With EngineConfig.compile_in_background the
 engine does not wait for it: a thread compiles while steps run eagerly, and the compiled
 graph takes over once both sizes are ready (the CPU only: CUDA graphs capture the
-compiled body at start).
+compiled body at start). Code that branches on being traced asks
+torch.compiler.is_dynamo_compiling(), which Dynamo answers in the trace only:
+is_compiling() reads a process-wide flag, so eager steps on the engine's thread would
+take the traced branches while another thread compiles.
 """
 from __future__ import annotations
 

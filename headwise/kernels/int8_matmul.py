@@ -169,7 +169,7 @@ def int8_matmul(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     None where the kernel does not apply (no compiled library, another device or dtype,
     too many rows, inside a torch.compile trace). `checked`: the caller has checked the
     weight (check_int8_weight) and it has not changed since."""
-    if (torch.compiler.is_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2
+    if (torch.compiler.is_dynamo_compiling() or x.device.type != "cpu" or x.dtype not in DTYPES or x.dim() != 2
             or not 0 < x.shape[0] <= MAX_ROWS or x.stride(-1) != 1):
         return None
     lib = matmul_library()

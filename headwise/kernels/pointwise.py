@@ -25,7 +25,7 @@ def _rows(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _lib(*xs: torch.Tensor):
-    if torch.compiler.is_compiling():
+    if torch.compiler.is_dynamo_compiling():
         return None
     if torch.is_grad_enabled() and any(x.requires_grad for x in xs):
         return None  # the kernels have no backward (calibration.gates trains through the model)

@@ -88,7 +88,7 @@ class HeadSplitAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # q: [T, Hq, D]; k, v: [T, Hkv, D] (rotary already applied) -> [T, Hq, D]
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return attention_op(q, k, v, self.op_key)
         return self.attend(q, k, v)
 

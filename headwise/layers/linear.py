@@ -255,7 +255,7 @@ class Linear(Int4Copy, nn.Module):
         return F.linear(x, self.weight, self.bias) * other
 
     def _packed(self, x: torch.Tensor, act: str, other: torch.Tensor | None) -> torch.Tensor:
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_dynamo_compiling():
             return packed_linear_op(x, self.op_key, self.out_features, act, other)
         return self.packed_call(x, act, other)
 

@@ -1,0 +1,143 @@
+"""Start-up: the prepared-weights cache (weights/prepared.py) gives the weights and tokens
+preparing from the GGUF gives, per dtype and head order; a damaged entry is rebuilt;
+entries are bounded; and a decode step compiled in the background takes over from eager
+steps without changing a token."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from headwise import LLM, SamplingParams
+from headwise.config import ConfigError, EngineConfig
+from headwise.weights import prepared as P
+from tests.test_decode_capture import PROMPTS, GraphCalls, _mixed, _run
+
+OPTS = dict(kv_cache_memory=1 << 28, max_num_seqs=4, enforce_eager=True)
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path))
+    return tmp_path / "prepared"
+
+
+def _greedy(llm, n=12):
+    params = SamplingParams(max_tokens=n, temperature=0.0, logprobs=0)
+    return [(o.token_ids, [lp for lp in o.logprobs]) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def _tensors(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, m in model.named_modules():
+        for attr, t in list(m._parameters.items()) + list(m._buffers.items()):
+            if t is not None:
+                out[f"{name}.{attr}"] = t.detach()
+        if getattr(m, "packed", None) is not None:
+            out[f"{name}.packed"] = m.packed.to_dense()
+    return out
+
+
+def test_second_start_reads_the_entry_and_changes_nothing(cache, caplog):
+    first = LLM(None, **OPTS)
+    prep = first.engine.prepared
+    assert prep is not None and prep.writer is not None
+    prep.writer.join()
+    files = {p.name for p in prep.dir.iterdir()}
+    assert files == {"manifest.json", "kept.bin", "dense.bin"}
+    with caplog.at_level(logging.INFO, logger="headwise.prepared"):
+        second = LLM(None, **OPTS)
+    assert any("read from" in r.message for r in caplog.records)
+    assert second.engine.prepared.writer is None  # nothing to write
+    a, b = _tensors(first.engine.model), _tensors(second.engine.model)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+    want = _greedy(first)  # each engine's first run: a second one would hit its prefix cache
+    assert want == _greedy(second)
+    off = LLM(None, prepared_weights_cache=False, **OPTS)
+    assert off.engine.prepared is None
+    assert _greedy(off) == want
+
+
+def test_entries_are_per_dtype_and_head_order(cache):
+    shipped = LLM(None, **OPTS)
+    shipped.engine.prepared.writer.join()
+    full = LLM(None, head_layout="full", **OPTS)  # another head order
+    f32 = LLM(None, dtype="float32", **OPTS)
+    keys = {shipped.engine.prepared.key, full.engine.prepared.key, f32.engine.prepared.key}
+    assert len(keys) == 3
+    for llm in (full, f32):
+        llm.engine.prepared.writer.join()
+    assert {p.name for p in cache.iterdir()} == keys
+
+
+def test_a_damaged_entry_is_rebuilt(cache, caplog):
+    ref = LLM(None, **OPTS)
+    ref.engine.prepared.writer.join()
+    entry = ref.engine.prepared.dir
+    with open(entry / "kept.bin", "r+b") as f:
+        f.truncate(1000)
+    with caplog.at_level(logging.WARNING, logger="headwise.prepared"):
+        again = LLM(None, **OPTS)
+    assert any("do not read back" in r.message for r in caplog.records)
+    again.engine.prepared.writer.join()  # written anew
+    assert (entry / "kept.bin").stat().st_size > 1000
+    assert _greedy(again) == _greedy(ref)
+    (entry / "manifest.json").write_text("{not json")
+    with caplog.at_level(logging.WARNING, logger="headwise.prepared"):
+        LLM(None, **OPTS).engine.prepared.writer.join()
+    assert sum("do not read back" in r.message for r in caplog.records) == 2
+
+
+def test_eviction_keeps_the_bound_and_the_newest(tmp_path):
+    import os
+    import time
+
+    for i, name in enumerate(["old", "mid", "new"]):
+        d = tmp_path / name
+        d.mkdir()
+        (d / "kept.bin").write_bytes(b"x" * 1000)
+        (d / "manifest.json").write_text("{}")
+        os.utime(d / "manifest.json", (time.time() - 100 + i, time.time() - 100 + i))
+    stale = tmp_path / ".tmp-dead"
+    stale.mkdir()
+    os.utime(stale, (time.time() - P.STALE_TMP_S - 10,) * 2)
+    fresh = tmp_path / ".tmp-writing"
+    fresh.mkdir()
+    P._evict(tmp_path, 2100, keep=tmp_path / "new")
+    P._sweep(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-writing", "mid", "new"]
+
+
+def test_background_compile_takes_over_without_changing_tokens(tiny_models):
+    """Steps run eagerly while the decode step compiles on its thread, then the graph."""
+    opts = dict(head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32", block_size=4)
+    path = str(tiny_models["llama"])
+    eager = LLM(path, enforce_eager=True, **opts)
+    bg = LLM(path, enforce_eager=False, compile_in_background=True, **opts)
+    cap = bg.engine.runner.forward
+    assert cap.enabled and cap.compiler is not None
+    want = _run(eager, PROMPTS)
+    early = _run(bg, PROMPTS)  # before or while the compile runs
+    assert cap.wait() and cap.compile_s > 0 and not cap.compiler.is_alive()
+    calls = GraphCalls(bg)
+    late = _run(bg, PROMPTS)
+    assert calls.sizes, "the compiled graph did not run once the compile finished"
+    for got in (early, late):
+        for a, b in zip(want, got):
+            assert a.token_ids == b.token_ids
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
+
+
+def test_flags_are_checked():
+    for name in ("compile_in_background", "prepared_weights_cache"):
+        with pytest.raises(ConfigError, match=name):
+            EngineConfig(**{name: "yes"})
+
+
+def test_tiny_hf_models_are_not_cached(tiny_models, cache):
+    llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
+              block_size=4, enforce_eager=True)
+    assert llm.engine.prepared is None and not cache.exists()
