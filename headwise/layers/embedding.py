@@ -26,7 +26,8 @@ class Embedding(nn.Module):
         super().__init__()
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
-        nn.init.normal_(self.weight)  # nn.Embedding's initialisation (random-weight tests)
+        if not self.weight.is_meta:  # on meta (loading) its reference impl imports torch._dynamo: 1.4 s
+            nn.init.normal_(self.weight)  # nn.Embedding's initialisation (random-weight tests)
         # codes [V, dim] int8, scales [V, dim / G] float32 (G = 32 or 16 inputs per scale)
         # and lows like scales or None: a row is codes * scales (+ lows), as int8_matmul reads
         self.register_buffer("int8_codes", None, persistent=False)

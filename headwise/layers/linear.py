@@ -169,9 +169,10 @@ class Linear(Int4Copy, nn.Module):
         # them; whoever edits the weight moves them along or drops them. pack() drops them.
         self.quant: QuantCodes | None = None
         bound = 1 / math.sqrt(in_features)  # nn.Linear's initialisation (random-weight tests)
-        nn.init.uniform_(self.weight, -bound, bound)
-        if self.bias is not None:
-            nn.init.uniform_(self.bias, -bound, bound)
+        if not self.weight.is_meta:  # nothing to fill on meta (a model being loaded)
+            nn.init.uniform_(self.weight, -bound, bound)
+            if self.bias is not None:
+                nn.init.uniform_(self.bias, -bound, bound)
 
     def find_int4(self) -> bool:
         """Keep a 4-bit copy of the weight if it is 4-bit: its file's codes (`quant`), else

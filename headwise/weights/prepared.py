@@ -13,7 +13,8 @@ Files of an entry:
                    copy-on-write and used in place, so untouched pages are never read
     dense.bin      packed weights in plain layout: read once, packed for oneDNN, unmapped
 Raw bytes, not torch.save: writing is bound by the disk either way, and a plain file maps
-with no parsing. Entries are written on a background thread after the engine is ready,
+with no parsing. Entries are written on a background thread after the engine is ready (a process
+that ends sooner waits for it),
 into a temporary directory renamed into place, so a reader never sees half an entry; the
 least recently used entries go beyond PREPARED_BYTES. The directory is safe to delete. An
 entry that does not read back (damaged, or it does not fit the model) is deleted and
@@ -153,12 +154,13 @@ class PreparedWeights:
 
     # ---- writing ------------------------------------------------------------------
     def save_in_background(self, model: CausalLM) -> None:
-        """Write the entry on a daemon thread (engine start does not wait); nothing where
-        it exists or another writer is at it."""
+        """Write the entry on a thread (engine start does not wait; the process's exit
+        does); nothing where it exists or another writer is at it."""
         if self.dir.exists() or any(self.root.glob(f".tmp-{self.key}-*")):
             return
-        self.writer = threading.Thread(target=self._save_logged, args=(model,), name="prepared-weights",
-                                       daemon=True)
+        # Not a daemon: a process that ends sooner (a one-shot generate) finishes the entry
+        # first, so the next start finds it.
+        self.writer = threading.Thread(target=self._save_logged, args=(model,), name="prepared-weights")
         self.writer.start()
 
     def _save_logged(self, model: CausalLM) -> None:
