@@ -126,6 +126,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)
         self.grammar = GrammarCompiler(self.tokenizer, mcfg.vocab_size)
+        if self.runner.compile_later:  # last: the compile thread holds the GIL for most of its time
+            self.runner.forward.warm_up(background=True)
 
     def _prepared_model(self, config: EngineConfig, mcfg) -> CausalLM:
         """The model with its heads in the layout's order and its weights prepared: read

@@ -46,8 +46,12 @@ class ModelRunner:
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(*self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)
-        # In the background only where nothing below needs the compiled body at start.
-        self.forward.warm_up(background=compile_in_background and capturer is None)
+        # In the background only where nothing below needs the compiled body at start;
+        # then the engine starts it once it is built (compile_in_background), since the
+        # compile holds the GIL for most of its time.
+        self.compile_later = compile_in_background and capturer is None
+        if not self.compile_later:
+            self.forward.warm_up()
         self.graphs = None
         if capturer is not None:
             max_len = max_model_len or model.config.max_position_embeddings

@@ -94,7 +94,7 @@ def load_weights(model: str | None, dtype: torch.dtype, device: torch.device | s
         state.pop("lm_head.weight", None)
     with torch.device("meta"):
         model_ = CausalLM(cfg)
-    model_ = model_.to_empty(device="cpu")
+    # Every tensor comes from `state` (assigned, not copied); none is allocated first.
     missing, unexpected = model_.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")
                and m not in codes]
@@ -113,7 +113,8 @@ def load_weights(model: str | None, dtype: torch.dtype, device: torch.device | s
     if cfg.tie_word_embeddings:
         model_.lm_head.weight = model_.model.embed_tokens.weight
         model_.lm_head.quant = model_.model.embed_tokens.quant
-    # The rotary tables were created on meta; build them for real.
+    if any(t.is_meta for t in list(model_.parameters()) + list(model_.buffers())):
+        raise UnsupportedModelError(f"weights of {path} leave some of a {cfg.architecture} model's tensors unset")
     model_.model.build_rotary(cfg, device)
     return model_.to(dtype=dtype, device=device).eval()
 

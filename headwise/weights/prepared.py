@@ -11,9 +11,10 @@ Files of an entry:
                    file and offset
     kept.bin       tensors the model keeps (4-bit and int8 copies, norms, biases): mapped
                    copy-on-write and used in place, so untouched pages are never read
-    dense.bin      packed weights in plain layout: read once, packed for oneDNN, unmapped
+    dense.bin      packed weights in plain layout: each read once into memory of its
+                   own, packed for oneDNN, freed
 Raw bytes, not torch.save: writing is bound by the disk either way, and a plain file maps
-with no parsing. Entries are written on a background thread after the engine is ready (a process
+and reads with no parsing. Entries are written on a background thread after the engine is ready (a process
 that ends sooner waits for it),
 into a temporary directory renamed into place, so a reader never sees half an entry; the
 least recently used entries go beyond PREPARED_BYTES. The directory is safe to delete. An
@@ -116,8 +117,8 @@ class PreparedWeights:
     def _read(self, cfg: ModelConfig, manifest: dict) -> CausalLM:
         if manifest.get("format") != FORMAT or manifest.get("config") != _config_json(cfg):
             raise PreparedError("written for another model or format")
-        maps = {name: np.memmap(self.dir / name, dtype=np.uint8, mode="c")
-                for name in ("kept.bin", "dense.bin") if (self.dir / name).stat().st_size}
+        kept = self.dir / "kept.bin"
+        mapped = np.memmap(kept, dtype=np.uint8, mode="c") if kept.stat().st_size else np.empty(0, np.uint8)
         with torch.device("meta"):
             model = CausalLM(cfg)
         modules = dict(model.named_modules())
@@ -133,20 +134,23 @@ class PreparedWeights:
         packs = []
         for e in manifest["tensors"]:
             module = modules[e["module"]]
-            size = int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[e["dtype"]].itemsize
-            raw = maps[e["file"]][e["offset"]: e["offset"] + size]
-            if len(raw) != size:
-                raise PreparedError(f"{e['file']} is truncated")
-            t = torch.from_numpy(raw).view(_DTYPES[e["dtype"]]).view(e["shape"])
-            if e["kind"] == "parameter" or e["kind"] == "packed":
-                setattr(module, e["attr"], nn.Parameter(t, requires_grad=False))
-            else:
-                setattr(module, e["attr"], t)
             if e["kind"] == "packed":
-                packs.append(module)
-        with ThreadPoolExecutor(2) as pool:  # oneDNN's reorder runs on one core; the GIL is released
-            if not all(pool.map(Linear.pack, packs)):
-                raise PreparedError("a weight did not pack")
+                packs.append((module, e))
+                continue
+            size = _nbytes(e)
+            raw = mapped[e["offset"]: e["offset"] + size]
+            if len(raw) != size:
+                raise PreparedError("kept.bin is truncated")
+            t = torch.from_numpy(raw).view(_DTYPES[e["dtype"]]).view(e["shape"])
+            setattr(module, e["attr"], nn.Parameter(t, requires_grad=False) if e["kind"] == "parameter" else t)
+        # Each dense weight read into memory of its own and packed, then freed: mapped,
+        # the whole file would stay resident beside the packed copies.
+        fd = os.open(self.dir / "dense.bin", os.O_RDONLY)
+        try:
+            with ThreadPoolExecutor(2) as pool:  # reads and oneDNN's reorders release the GIL
+                list(pool.map(lambda me: _read_and_pack(fd, *me), packs))
+        finally:
+            os.close(fd)
         model.model.embed_tokens.dtype = self.dtype
         _check_complete(model)
         model.model.build_rotary(cfg, "cpu")
@@ -202,6 +206,20 @@ class PreparedWeights:
         size = sum(p.stat().st_size for p in self.dir.iterdir())
         log.info("prepared weights saved to %s (%.0f MiB, %.1f s)", self.dir, size / 2**20, time.perf_counter() - t0)
         _evict(self.root, PREPARED_BYTES, keep=self.dir)
+
+
+def _nbytes(e: dict) -> int:
+    return int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[e["dtype"]].itemsize
+
+
+def _read_and_pack(fd: int, module: Linear, e: dict) -> None:
+    buf = bytearray(_nbytes(e))
+    if os.preadv(fd, [buf], e["offset"]) != len(buf):
+        raise PreparedError("dense.bin is truncated")
+    module.weight = nn.Parameter(torch.frombuffer(buf, dtype=_DTYPES[e["dtype"]]).view(e["shape"]),
+                                 requires_grad=False)
+    if not module.pack():
+        raise PreparedError(f"{e['module']} did not pack")
 
 
 def _check_complete(model: CausalLM) -> None:
