@@ -96,9 +96,7 @@ class DecodeCapture:
             for m in model.modules():
                 if isinstance(m, (Linear, HeadSplitAttention)):
                     opaque.register(m)
-            options = OPTIONS if device.type == "cpu" else {}
-            body = _own_copy(_body, f"captured_step_{next(_COPIES)}")
-            self.graph = torch.compile(body, dynamic=None, options=options)
+            self._body = _own_copy(_body, f"captured_step_{next(_COPIES)}")
 
     def applies(self, num_tokens: int) -> bool:
         return self.enabled and self.ready.is_set() and num_tokens <= CAPTURE_MAX_TOKENS
@@ -141,6 +139,14 @@ class DecodeCapture:
 
     def _compile(self) -> None:
         t0 = time.perf_counter()
+        # torch.compile itself imports Dynamo (1-1.5 s): here, on the compiling thread.
+        options = OPTIONS if self.device.type == "cpu" else {}
+        try:
+            self.graph = torch.compile(self._body, dynamic=None, options=options)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means eager
+            self.enabled = False
+            warn_eager(log, "decode capture unavailable, running eagerly", e)
+            return
         for n in WARMUP_TOKENS:
             # Made as the model runner makes its inputs (outside inference mode), so the
             # graph's guards accept the real steps.
