@@ -5,6 +5,7 @@ steps without changing a token."""
 from __future__ import annotations
 
 import logging
+import shutil
 
 import pytest
 import torch
@@ -12,15 +13,29 @@ import torch
 from headwise import LLM, SamplingParams
 from headwise.config import ConfigError, EngineConfig
 from headwise.weights import prepared as P
+from headwise.weights.loader import resolve_model_path
 from tests.test_decode_capture import PROMPTS, GraphCalls, _mixed, _run
 
 OPTS = dict(kv_cache_memory=1 << 28, max_num_seqs=4, enforce_eager=True)
 
 
+@pytest.fixture(scope="module")
+def entry(tmp_path_factory):
+    """A cache directory holding the default model's entry, the engine that wrote it and
+    its greedy outputs (each engine's first run: a second would hit its prefix cache)."""
+    root = tmp_path_factory.mktemp("cache")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HEADWISE_CACHE_DIR", str(root))
+        first = LLM(None, **OPTS)
+        assert first.engine.prepared is not None and first.engine.prepared.writer is not None
+        first.engine.prepared.writer.join()
+        yield root / "prepared", first, _greedy(first)
+
+
 @pytest.fixture
-def cache(tmp_path, monkeypatch):
-    monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path))
-    return tmp_path / "prepared"
+def cache(entry, monkeypatch):
+    monkeypatch.setenv("HEADWISE_CACHE_DIR", str(entry[0].parent))
+    return entry[0]
 
 
 def _greedy(llm, n=12):
@@ -39,13 +54,9 @@ def _tensors(model) -> dict[str, torch.Tensor]:
     return out
 
 
-def test_second_start_reads_the_entry_and_changes_nothing(cache, caplog):
-    first = LLM(None, **OPTS)
-    prep = first.engine.prepared
-    assert prep is not None and prep.writer is not None
-    prep.writer.join()
-    files = {p.name for p in prep.dir.iterdir()}
-    assert files == {"manifest.json", "kept.bin", "dense.bin"}
+def test_second_start_reads_the_entry_and_changes_nothing(entry, cache, caplog):
+    _, first, want = entry
+    assert {p.name for p in first.engine.prepared.dir.iterdir()} == {"manifest.json", "kept.bin", "dense.bin"}
     with caplog.at_level(logging.INFO, logger="headwise.prepared"):
         second = LLM(None, **OPTS)
     assert any("read from" in r.message for r in caplog.records)
@@ -54,38 +65,35 @@ def test_second_start_reads_the_entry_and_changes_nothing(cache, caplog):
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
-    want = _greedy(first)  # each engine's first run: a second one would hit its prefix cache
-    assert want == _greedy(second)
+    assert _greedy(second) == want
     off = LLM(None, prepared_weights_cache=False, **OPTS)
     assert off.engine.prepared is None
     assert _greedy(off) == want
 
 
-def test_entries_are_per_dtype_and_head_order(cache):
-    shipped = LLM(None, **OPTS)
-    shipped.engine.prepared.writer.join()
-    full = LLM(None, head_layout="full", **OPTS)  # another head order
-    f32 = LLM(None, dtype="float32", **OPTS)
-    keys = {shipped.engine.prepared.key, full.engine.prepared.key, f32.engine.prepared.key}
-    assert len(keys) == 3
-    for llm in (full, f32):
-        llm.engine.prepared.writer.join()
-    assert {p.name for p in cache.iterdir()} == keys
+def test_entries_are_per_dtype_and_head_order(entry, cache):
+    shipped = entry[1].engine.prepared
+    full = LLM(None, head_layout="full", **OPTS).engine.prepared  # another head order
+    full.writer.join()
+    assert full.key != shipped.key and {p.name for p in cache.iterdir()} == {shipped.key, full.key}
+    path = resolve_model_path(None)
+    order = [list(range(3))] * 30
+    assert P.PreparedWeights(cache, path, torch.bfloat16, order).key == full.key
+    assert P.PreparedWeights(cache, path, torch.float32, order).key != full.key
+    shutil.rmtree(full.dir)
 
 
-def test_a_damaged_entry_is_rebuilt(cache, caplog):
-    ref = LLM(None, **OPTS)
-    ref.engine.prepared.writer.join()
-    entry = ref.engine.prepared.dir
-    with open(entry / "kept.bin", "r+b") as f:
+def test_a_damaged_entry_is_rebuilt(entry, cache, caplog):
+    want, where = entry[2], entry[1].engine.prepared.dir
+    with open(where / "kept.bin", "r+b") as f:
         f.truncate(1000)
     with caplog.at_level(logging.WARNING, logger="headwise.prepared"):
         again = LLM(None, **OPTS)
     assert any("do not read back" in r.message for r in caplog.records)
     again.engine.prepared.writer.join()  # written anew
-    assert (entry / "kept.bin").stat().st_size > 1000
-    assert _greedy(again) == _greedy(ref)
-    (entry / "manifest.json").write_text("{not json")
+    assert (where / "kept.bin").stat().st_size > 1000
+    assert _greedy(again) == want
+    (where / "manifest.json").write_text("{not json")
     with caplog.at_level(logging.WARNING, logger="headwise.prepared"):
         LLM(None, **OPTS).engine.prepared.writer.join()
     assert sum("do not read back" in r.message for r in caplog.records) == 2
@@ -137,7 +145,9 @@ def test_flags_are_checked():
             EngineConfig(**{name: "yes"})
 
 
-def test_tiny_hf_models_are_not_cached(tiny_models, cache):
+def test_tiny_hf_models_are_not_cached(tiny_models, tmp_path, monkeypatch):
+    monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path))
+    cache = tmp_path / "prepared"
     llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
               block_size=4, enforce_eager=True)
     assert llm.engine.prepared is None and not cache.exists()

@@ -163,17 +163,20 @@ class PreparedWeights:
         if self.dir.exists() or any(self.root.glob(f".tmp-{self.key}-*")):
             return
         # Not a daemon: a process that ends sooner (a one-shot generate) finishes the entry
-        # first, so the next start finds it.
-        self.writer = threading.Thread(target=self._save_logged, args=(model,), name="prepared-weights")
+        # first, so the next start finds it. The tensors are listed here, on the caller's
+        # thread: the engine goes on adding buffers to the modules (decode capture's keys).
+        self.writer = threading.Thread(target=self._save_logged, args=(_snapshot(model), model.config),
+                                       name="prepared-weights")
         self.writer.start()
 
-    def _save_logged(self, model: CausalLM) -> None:
+    def _save_logged(self, tensors: list, cfg: ModelConfig) -> None:
         try:
-            self.save(model)
+            self.save(tensors, cfg)
         except OSError as e:  # a full disk, a read-only cache: the engine runs on
             log.warning("prepared weights not saved to %s: %s", self.dir, e)
 
-    def save(self, model: CausalLM) -> None:
+    def save(self, tensors: list[tuple[str, str, torch.Tensor, str]], cfg: ModelConfig) -> None:
+        """Write the entry of a prepared model's tensors (_snapshot)."""
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         _sweep(self.root)
@@ -182,18 +185,10 @@ class PreparedWeights:
         try:
             entries = []
             with open(tmp / "kept.bin", "wb") as kept, open(tmp / "dense.bin", "wb") as dense:
-                for name, m in model.named_modules():
-                    tensors = [(a, t, "parameter") for a, t in m._parameters.items()] + \
-                              [(a, t, "buffer") for a, t in m._buffers.items()]
-                    if isinstance(m, Linear) and m.packed is not None:
-                        tensors.append(("weight", m.packed, "packed"))
-                    for attr, t, kind in tensors:
-                        if t is None or (kind == "buffer" and attr in ("cos", "sin")):
-                            continue
-                        plain = t.to_dense() if kind == "packed" else t.detach().contiguous()
-                        f = dense if kind == "packed" else kept
-                        entries.append(_write(f, plain, name, attr, kind))
-            (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "config": _config_json(model.config),
+                for name, attr, t, kind in tensors:
+                    plain = t.to_dense() if kind == "packed" else t.detach().contiguous()
+                    entries.append(_write(dense if kind == "packed" else kept, plain, name, attr, kind))
+            (tmp / "manifest.json").write_text(json.dumps({"format": FORMAT, "config": _config_json(cfg),
                                                            "tensors": entries}))
             try:
                 os.rename(tmp, self.dir)
@@ -206,6 +201,19 @@ class PreparedWeights:
         size = sum(p.stat().st_size for p in self.dir.iterdir())
         log.info("prepared weights saved to %s (%.0f MiB, %.1f s)", self.dir, size / 2**20, time.perf_counter() - t0)
         _evict(self.root, PREPARED_BYTES, keep=self.dir)
+
+
+def _snapshot(model: CausalLM) -> list[tuple[str, str, torch.Tensor, str]]:
+    """(module, attribute, tensor, kind) of every tensor a prepared model runs on: its
+    parameters, its buffers (not decode capture's op keys, which each engine assigns) and
+    its packed weights ("packed": written in plain layout)."""
+    out = []
+    for name, m in model.named_modules():
+        out += [(name, a, t, "parameter") for a, t in m._parameters.items() if t is not None]
+        out += [(name, a, t, "buffer") for a, t in m._buffers.items() if t is not None and a != "op_key"]
+        if isinstance(m, Linear) and m.packed is not None:
+            out.append((name, "weight", m.packed, "packed"))
+    return out
 
 
 def _nbytes(e: dict) -> int:
