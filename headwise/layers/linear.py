@@ -9,9 +9,9 @@ Decode at small batch reads every weight once per step, so it is bound by memory
 bandwidth. A GGUF Q4_1, Q4_0 or Q4_K tensor is 4-bit codes with a scale and an offset per
 group of 32 inputs; `find_int4()` takes them from the file's blocks (`quant`, set by
 the GGUF loader: layers.quant), or else recovers them exactly from the float32 weight (a
-search: HF checkpoints, formats the loader does not read), and calls with at most INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter
-of the bytes (bfloat16 activations only: the kernel is slow with float32 ones, see
-INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
+search: HF checkpoints, formats the loader does not read), and calls with at most
+INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
+(bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
 Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32 (Q5_1,
 Q5_K), keeps those as int8 for calls of at most 4 rows instead (kernels.int8_matmul: about
 half the bytes of bfloat16), chosen inside the packed call.
