@@ -33,16 +33,20 @@ from benchmarks.common import machine, save  # noqa: E402
 MODELS = ["smollm2-135m-instruct", "gemma-3-270m", "qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"]
 PROMPT = "def fibonacci(n):"
 
-HEADWISE_CHILD = r"""
+# Both children: the peak-RSS reader, then the import timed (IMPORT is the library).
+PRELUDE = r"""
 import json, sys, time
-t0 = time.perf_counter()
-from headwise import LLM, SamplingParams
-t_import = time.perf_counter() - t0
 
 def hwm():
     return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
 
+t0 = time.perf_counter()
+IMPORT
+t_import = time.perf_counter() - t0
 t1 = time.perf_counter()
+"""
+
+HEADWISE_CHILD = PRELUDE.replace("IMPORT", "from headwise import LLM, SamplingParams") + r"""
 llm = LLM(sys.argv[1], kv_cache_memory=1 << 27, max_num_seqs=1, compile_in_background=True)
 ready = time.perf_counter() - t1
 rss_ready = hwm()
@@ -59,16 +63,7 @@ print(json.dumps({"import_s": t_import, "ready_s": ready, "first_tokens_s": firs
                   "rss_peak_mib": hwm(), "tokens": len(out.token_ids)}))
 """
 
-LLAMA_CHILD = r"""
-import json, sys, time
-t0 = time.perf_counter()
-from llama_cpp import Llama
-t_import = time.perf_counter() - t0
-
-def hwm():
-    return int(next(l for l in open("/proc/self/status") if l.startswith("VmHWM")).split()[1]) / 1024
-
-t1 = time.perf_counter()
+LLAMA_CHILD = PRELUDE.replace("IMPORT", "from llama_cpp import Llama") + r"""
 llm = Llama(sys.argv[1], n_ctx=2048, flash_attn=True, verbose=False)
 ready = time.perf_counter() - t1
 rss_ready = hwm()

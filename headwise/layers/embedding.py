@@ -40,7 +40,7 @@ class Embedding(nn.Module):
         """Keep the weight as int8 codes if it is exactly that: a tied projection's int8
         copy (shared, not copied), the file's codes (`quant`), or int8_copy of the weight
         itself. Call while the weight is float32, before the model is cast."""
-        quant = self.quant  # used here or not at all (materialize may still need it)
+        quant = self.quant  # kept: materialize() makes the dense weight from it, then drops it
         if self.weight is None and quant is None:
             return False
         if tied is not None and tied.int8_codes is not None:
