@@ -20,7 +20,7 @@ from benchmarks.common import Stat, headwise_aggregate, headwise_single, machine
 
 
 def split_layout(arg: str | None):
-    from headwise.cache.layout import HeadLayout
+    from headwise.heads.layout import HeadLayout
     from headwise.layouts import shipped_layout
     from headwise.weights.loader import DEFAULT_MODEL_NAME
 

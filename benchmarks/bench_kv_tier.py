@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_prefix import QUESTIONS, prose  # noqa: E402
 from benchmarks.common import machine, save  # noqa: E402
 from headwise import LLM, SamplingParams  # noqa: E402
-from headwise.cache.layout import HeadLayout  # noqa: E402
+from headwise.heads.layout import HeadLayout  # noqa: E402
 from headwise.layouts import shipped_layout  # noqa: E402
 from headwise.weights.loader import DEFAULT_MODEL_NAME  # noqa: E402
 

@@ -31,7 +31,7 @@ import torch  # noqa: E402
 
 from benchmarks.common import machine, save  # noqa: E402
 from headwise import LLM, SamplingParams  # noqa: E402
-from headwise.cache.layout import HeadLayout  # noqa: E402
+from headwise.heads.layout import HeadLayout  # noqa: E402
 from headwise.cache.manager import KVCacheManager  # noqa: E402
 from headwise.engine.scheduler import Scheduler  # noqa: E402
 from headwise.engine.sequence import Sequence  # noqa: E402
@@ -143,7 +143,7 @@ def resident_documents(layout, budget: int, doc_tokens: int, max_num_seqs: int, 
         resident = sum(cache.match_prefix(f).num_tokens >= 0.95 * doc_tokens for f in follow)
         if resident > best:
             usage = cache.usage()
-            best, per_doc = resident, (usage["full"]["cached_bytes"] + usage["ring"]["cached_bytes"]) / resident
+            best, per_doc = resident, (usage["full"]["cached_bytes"] + usage["window"]["cached_bytes"]) / resident
     return best, per_doc
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import machine, start_server  # noqa: E402
-from headwise.cache.layout import HeadLayout  # noqa: E402
+from headwise.heads.layout import HeadLayout  # noqa: E402
 from headwise.evaluation.cli import int_list  # noqa: E402
 from headwise.weights.loader import load_tokenizer  # noqa: E402
 

@@ -1,5 +1,5 @@
 """headwise: long-context LLM inference with a KV cache split along the head dimension."""
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.llm import LLM, CompletionOutput, RequestOutput
 from headwise.sampling import SamplingParams
 from headwise.structured import StructuredOutputs

@@ -7,7 +7,7 @@ import os
 import sys
 
 from headwise.bench_serve import add_bench
-from headwise.cache.layout import LayoutError
+from headwise.heads.layout import LayoutError
 from headwise.calibration.cli import add_calibrate
 from headwise.config import EngineConfig, add_engine_args, engine_options, parse_size
 from headwise.demo import run_demo

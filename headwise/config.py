@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from headwise.cache.layout import KV_CACHE_DTYPES
+from headwise.heads.layout import KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 DTYPE_CHOICES = ("auto", *DTYPES)

@@ -103,7 +103,7 @@ class LLM:
         queued: list[Sequence] = []
         try:
             for g in groups:
-                self.engine.scheduler.add(g[0])
+                self.engine.add_sequence(g[0])
                 queued.append(g[0])
             self._run(groups, queued, use_tqdm and len(queued) > 1)
         except BaseException:
@@ -130,7 +130,7 @@ class LLM:
             for g in [g for g in waiting if g[0].output_token_ids or g[0].is_finished]:
                 waiting.remove(g)
                 for s in g[1:]:
-                    self.engine.scheduler.add(s)
+                    self.engine.add_sequence(s)
                     queued.append(s)
             if bar is not None:
                 now = sum(all(s.is_finished for s in g) for g in groups)
@@ -144,7 +144,7 @@ class LLM:
         return self.engine.kv_bytes(num_tokens)
 
     def cache_usage(self) -> dict[str, dict[str, float]]:
-        return self.engine.cache.usage()
+        return self.engine.stats().usage
 
     def offload_prefix_cache(self) -> None:
         """Copy cached prefixes to the KV offload directory (if one is set) and wait."""

@@ -108,7 +108,7 @@ def test_prefix_bench_counts_resident_documents():
     import torch
 
     from benchmarks.bench_prefix import resident_documents
-    from headwise.cache.layout import HeadLayout
+    from headwise.heads.layout import HeadLayout
 
     shape = (2, 4, 8)
     split = HeadLayout.from_full_set("s", shape, {(0, 0), (1, 0)}, sink=4, window=32)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from headwise.cache.block_pool import BlockPool
-from headwise.cache.layout import HeadLayout, HeadSpec
+from headwise.heads.layout import HeadLayout, HeadSpec
 from headwise.cache.manager import CacheConfigError, KVCacheManager
 from headwise.cache.pool import CacheFullError
 from headwise.engine.kv_storage import KVStorage
@@ -78,7 +78,7 @@ def test_mixed_layout_storage_and_kv_bytes():
     m.allocate(1, 9)
     m.allocate(2, 1)
     assert m.ring.slot_of == {1: 0, 2: 1}
-    assert m.usage()["ring"]["used_bytes"] == 2 * ring_seq
+    assert m.usage()["window"]["used_bytes"] == 2 * ring_seq
     assert m.usage()["full"]["used_bytes"] == 4 * block
     # the storage the runner allocates is exactly what the books count
     assert kv.nbytes == m.ring.total_bytes + m.full.total_bytes

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.evaluation import tasks
 from headwise.evaluation.suite import equal_bytes_window
 

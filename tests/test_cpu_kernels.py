@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
 from headwise import LLM, SamplingParams
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.cache.spec import KVClassSpec
 from headwise.kernels import cpu_kernels, int8_matmul, pointwise
 from headwise.layers.kv_tensor import dequantize, quantize

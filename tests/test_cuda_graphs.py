@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from headwise import LLM, SamplingParams
-from headwise.cache.layout import HeadLayout, HeadSpec
+from headwise.heads.layout import HeadLayout, HeadSpec
 from headwise.engine import cuda_graphs
 from headwise.kernels import pointwise
 from headwise.layers.context import PrefillChunk, StepContext, get_context, step_context

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from headwise import LLM, SamplingParams
-from headwise.cache.layout import HeadLayout, HeadSpec
+from headwise.heads.layout import HeadLayout, HeadSpec
 from headwise.config import ConfigError, EngineConfig
 from headwise.engine import decode_capture
 from tests.conftest import make_tiny_model

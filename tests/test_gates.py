@@ -107,7 +107,7 @@ def test_gate_training_rejects_bad_arguments():
 def test_gated_model_is_the_engines_full_and_window_function(tiny_models, arch):
     # Gates all 1: the engine's `full` layout; all 0: its all-window layout (float32).
     from headwise import LLM
-    from headwise.cache.layout import HeadLayout
+    from headwise.heads.layout import HeadLayout
     from headwise.calibration.gates import gated, hidden_states
     from headwise.weights.loader import load_model
 

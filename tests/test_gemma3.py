@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
-from headwise.cache.layout import HeadSpec, LayoutError
+from headwise.heads.layout import HeadSpec, LayoutError
 from headwise.config import ConfigError
 from headwise.models.config import ModelConfig, gemma3_layer_types
 from headwise.weights.gguf_file import GGUFFile, GGUFFormatError
@@ -347,7 +347,7 @@ def test_gguf_tokenizer_is_cached_once(tmp_path):
 
 
 def test_native_keyword_resolves_for_any_model():
-    from headwise.cache.layout import resolve_layout
+    from headwise.heads.layout import resolve_layout
     from headwise.layouts import native_layout
 
     cfg = ModelConfig.from_hf(dict(model_type="gemma3_text", vocab_size=10, hidden_size=8, intermediate_size=16,

@@ -22,7 +22,7 @@ def llm(tiny_models):
 
 def _assert_idle(llm):
     usage = llm.cache_usage()
-    assert usage["full"]["used_bytes"] == 0 and usage["ring"]["used_bytes"] == 0
+    assert usage["full"]["used_bytes"] == 0 and usage["window"]["used_bytes"] == 0
     assert not llm.engine.has_unfinished()
 
 

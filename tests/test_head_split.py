@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
-from headwise.cache.layout import HeadSpec, LayoutError
+from headwise.heads.layout import HeadSpec, LayoutError
 from tests.conftest import assert_batched_equals_single
 
 SINK, WINDOW = 4, 8

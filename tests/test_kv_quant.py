@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
-from headwise.cache.layout import LayoutError
+from headwise.heads.layout import LayoutError
 from headwise.cache.manager import KVCacheManager
 from headwise.cache.spec import KVClassSpec, class_specs
 from headwise.config import ConfigError, EngineConfig

@@ -8,7 +8,7 @@ import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
 from headwise.cache.block_pool import PageKind
-from headwise.cache.layout import HeadSpec
+from headwise.heads.layout import HeadSpec
 from headwise.cache.manager import KVCacheManager
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.sequence import Sequence, SeqStatus

@@ -220,7 +220,7 @@ def test_method_of_drops_fraction_and_window():
 
 def test_suite_runs_layout_objects_beside_the_reference(tiny_models):
     # `make quality` passes the shipped layout as a HeadLayout, not a name
-    from headwise.cache.layout import HeadLayout
+    from headwise.heads.layout import HeadLayout
     from headwise.evaluation.suite import run_quality
 
     model = str(tiny_models["llama"])

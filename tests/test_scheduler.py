@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.cache.manager import KVCacheManager
 from headwise.engine.scheduler import QueueFullError, RequestTooLargeError, Scheduler
 from headwise.engine.sequence import Sequence, SeqStatus

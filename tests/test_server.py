@@ -276,7 +276,7 @@ def test_metrics_series_present_and_moving(server):
     text = httpx.get(f"{url}/metrics").text
     for n in names:
         assert n in text, n
-    assert 'pool="full"' in text and 'pool="ring"' in text
+    assert 'pool="full"' in text and 'pool="window"' in text
     assert _metric(url, "headwise:generation_tokens_total") == before["headwise:generation_tokens_total"] + 5
     assert _metric(url, "headwise:prompt_tokens_total") > before["headwise:prompt_tokens_total"]
     assert _metric(url, "headwise:time_to_first_token_seconds_count") == before[
@@ -300,7 +300,7 @@ def test_prefix_cache_usage_metrics_and_reset(model_path, offline):
     OpenAI usage, the same text, counters and reclaimable bytes per head class in the
     metrics; POST /reset_prefix_cache forgets it."""
     from headwise import HeadLayout
-    from headwise.cache.layout import HeadSpec
+    from headwise.heads.layout import HeadSpec
 
     shape = offline.layout.shape
     L, H, D = shape

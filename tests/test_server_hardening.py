@@ -210,7 +210,7 @@ def test_soak_32_concurrent_mixed_requests(model_path):
     sharing a long prefix, 32 at once: no 5xx, and afterwards the server is idle with no
     KV held by any request."""
     from headwise import HeadLayout
-    from headwise.cache.layout import HeadSpec
+    from headwise.heads.layout import HeadSpec
 
     layout = HeadLayout("mixed", 2, 2, 16, [[HeadSpec("full"), HeadSpec("window", 4, 16)] for _ in range(2)])
     with running_server(model_path, head_layout=layout, block_size=4, max_num_seqs=8) as (url, _):

@@ -32,7 +32,7 @@ import torch
 from headwise.cache.block_pool import BlockPool, PageKind
 from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.full_pool import FullHeadPool
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingClone, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
@@ -433,11 +433,11 @@ class KVCacheManager:
         return min(by_ring, by_full)
 
     def usage(self) -> dict[str, dict[str, float]]:
-        """Per pool: bytes held by running sequences, in total, and (prefix caching) held
-        by cached prefixes nobody uses, which count as free."""
+        """Per head class (its pool): bytes held by running sequences, in total, and
+        (prefix caching) held by cached prefixes nobody uses, which count as free."""
         cached = self.full.blocks.cached_free
         out = {}
-        for name, p, kind in (("full", self.full, PageKind.BLOCK), ("ring", self.ring, PageKind.SNAPSHOT)):
+        for name, p, kind in (("full", self.full, PageKind.BLOCK), ("window", self.ring, PageKind.SNAPSHOT)):
             total = p.total_bytes
             out[name] = {"used_bytes": p.used_bytes, "total_bytes": total,
                          "usage": p.used_bytes / total if total else 0.0,

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from headwise.cache.layout import HEAD_CLASSES, KV_CACHE_DTYPES, HeadLayout
+from headwise.heads.layout import HEAD_CLASSES, KV_CACHE_DTYPES, HeadLayout
 
 # Storage dtype of each KV cache dtype name ("auto": the compute dtype).
 _STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
+from headwise.heads.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
 from headwise.calibration.gates import GateSample, train_gates
 from headwise.calibration.samples import CalibSample, make_samples
 from headwise.layouts import native_layout

@@ -5,7 +5,7 @@ import argparse
 import time
 from pathlib import Path
 
-from headwise.cache.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
+from headwise.heads.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
 from headwise.calibration.calibrate import METHODS, calibrate, select_from_scores
 from headwise.config import add_engine_args, engine_options
 from headwise.evaluation.cli import int_list

@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 import torch
 
-from headwise.cache.disk_tier import DiskTier, fingerprint
-from headwise.cache.layout import resolve_layout
+from headwise.cache.disk_tier import DiskTier, TierStats, fingerprint
 from headwise.cache.manager import KVCacheManager
+from headwise.cache.prefix_cache import PrefixStats
+from headwise.cache.spec import KVClassSpec
 from headwise.config import ConfigError, EngineConfig
 from headwise.engine.model_runner import ModelRunner
 from headwise.engine.sampler import sample
@@ -15,6 +17,7 @@ from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.grammar import GrammarCompiler, consume
 from headwise.engine.sequence import Sequence
+from headwise.heads.layout import resolve_layout
 from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.errors import InvalidParameterError
@@ -62,6 +65,17 @@ def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) ->
             f"request asks for {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
             f"the prompt, {max_tokens} for the completion)"
         )
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """What a server or a client reads of a running engine, in one call (engine.stats())."""
+    num_running: int
+    num_waiting: int
+    usage: dict[str, dict[str, float]]   # per head class: used/total/cached bytes, usage
+    prefix: PrefixStats                  # cumulative prompt tokens looked up and hit
+    tier: TierStats | None               # the disk tier's counters (None: no tier)
+    kv_formats: tuple[KVClassSpec, ...]  # how each head class stores K/V
 
 
 class LLMEngine:
@@ -178,8 +192,12 @@ class LLMEngine:
         ids = self.encode(prompt)
         self.check_length(len(ids), params.max_tokens)
         seq = self.new_sequence(ids, params, request_id)
-        self.scheduler.add(seq)
+        self.add_sequence(seq)
         return seq
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence made by new_sequence (raises QueueFullError past max_queue)."""
+        self.scheduler.add(seq)
 
     def abort(self, seq: Sequence) -> None:
         self.scheduler.abort(seq)
@@ -320,4 +338,16 @@ class LLMEngine:
     # ---- accounting ---------------------------------------------------------------
     def kv_bytes(self, num_tokens: int) -> int:
         return self.cache.kv_bytes(num_tokens)
+
+    @property
+    def max_kv_tokens_per_seq(self) -> int:
+        """The most tokens the KV pools can hold for one sequence."""
+        return self.cache.max_tokens_per_seq()
+
+    def stats(self) -> EngineStats:
+        geo = self.cache.geometry
+        tier = self.cache.tier
+        return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
+                           self.cache.index.stats, None if tier is None else tier.stats,
+                           (geo.full, geo.window))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from headwise.cache.layout import KV_CACHE_DTYPES
+from headwise.heads.layout import KV_CACHE_DTYPES
 from headwise.config import add_engine_args, engine_options
 from headwise.evaluation import quality
 from headwise.evaluation.families import FAMILIES

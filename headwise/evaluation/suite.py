@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from headwise.cache.layout import DEFAULT_SINK, HeadLayout, resolve_layout
+from headwise.heads.layout import DEFAULT_SINK, HeadLayout, resolve_layout
 from headwise.cache.spec import CacheGeometry, KVClassSpec
 from headwise.evaluation import quality, runner
 from headwise.evaluation.reference import REFERENCE_TASKS, TransformersReference

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from headwise.cache.layout import HeadLayout, HeadSpec, LayoutError
+from headwise.heads.layout import HeadLayout, HeadSpec, LayoutError
 from headwise.models.config import ModelConfig
 
 _DIR = Path(__file__).parent

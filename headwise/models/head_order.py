@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from headwise.cache.layout import HeadLayout
+from headwise.heads.layout import HeadLayout
 from headwise.layers.linear import Linear
 from headwise.models.causal_lm import CausalLM
 

@@ -320,7 +320,7 @@ def serve(engine: LLMEngine, host: str, port: int, max_queue: int | None,
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5)
     GracefulServer(config, app.state.engine, shutdown_timeout).run()
-    used = sum(u["used_bytes"] for u in engine.cache.usage().values())
+    used = sum(u["used_bytes"] for u in engine.stats().usage.values())
     print(f"headwise stopped; KV bytes in use: {used}", flush=True)
 
 

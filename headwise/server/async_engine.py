@@ -37,8 +37,7 @@ class AsyncEngine(EngineClient):
         self.model = ServedModel.of(engine)
         self.max_queue = max_queue
         self.metrics = Metrics(engine.model_name)
-        geo = engine.cache.geometry
-        self.metrics.set_kv_format((geo.full, geo.window))
+        self.metrics.set_kv_format(engine.stats().kv_formats)
         self._commands: queue.Queue = queue.Queue()
         self._handles: dict[int, _Handle] = {}
         self._wake = threading.Event()
@@ -52,7 +51,7 @@ class AsyncEngine(EngineClient):
 
     # ---- called from the event loop -----------------------------------------------
     def num_waiting(self) -> int:
-        return len(self.engine.scheduler.waiting) + self._pending_adds
+        return self.engine.stats().num_waiting + self._pending_adds
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _Handle:
         """Queue a validated request; raises QueueFullError when the waiting queue is full."""
@@ -152,7 +151,7 @@ class AsyncEngine(EngineClient):
                 if h.seq.is_finished:  # aborted before it was added
                     continue
                 try:
-                    self.engine.scheduler.add(h.seq)
+                    self.engine.add_sequence(h.seq)
                 except Exception as e:
                     self._push(h, Update("", [], [], [], True, "abort", error=str(e)))
                     continue
@@ -196,8 +195,5 @@ class AsyncEngine(EngineClient):
             pass  # the event loop is gone (shutdown)
 
     def _publish_state(self) -> None:
-        s = self.engine.scheduler
-        cache = self.engine.cache
-        self.metrics.update_state(len(s.running), self.num_waiting(), cache.usage(), cache.index.stats)
-        if cache.tier is not None:
-            self.metrics.update_tier(cache.tier)
+        stats = self.engine.stats()
+        self.metrics.update_state(stats, stats.num_waiting + self._pending_adds)

@@ -56,7 +56,7 @@ class ServedModel:
     @classmethod
     def of(cls, engine: LLMEngine) -> ServedModel:
         return cls(engine.model_name, engine.tokenizer, engine.model_config.vocab_size, engine.max_model_len,
-                   engine.cache.max_tokens_per_seq(), engine.layout.name, engine.layout.full_fraction)
+                   engine.max_kv_tokens_per_seq, engine.layout.name, engine.layout.full_fraction)
 
     def check(self, ids: list[int], max_tokens: int) -> list[int]:
         """The ids, checked against the vocabulary, the context and the KV cache; raises

@@ -62,23 +62,25 @@ class Metrics:
         for spec in specs:
             self.kv_format.labels(self.model, spec.name, spec.label).set(spec.bytes_per_head_token)
 
-    def update_state(self, running: int, waiting: int, usage: dict, prefix) -> None:
-        """prefix: the cache's PrefixStats (cumulative queried and hit tokens)."""
-        m = self.model
-        self.running.labels(m).set(running)
+    def update_state(self, stats, waiting: int) -> None:
+        """stats: the engine's EngineStats; waiting: its queue and requests on their way in."""
+        m, prefix = self.model, stats.prefix
+        self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(waiting)
-        for pool, u in usage.items():
-            self.kv_usage.labels(m, pool).set(u["usage"])
-            self.kv_bytes.labels(m, pool).set(u["used_bytes"])
-            self.cached_bytes.labels(m, "full" if pool == "full" else "window").set(u["cached_bytes"])
+        for head_class, u in stats.usage.items():
+            self.kv_usage.labels(m, head_class).set(u["usage"])
+            self.kv_bytes.labels(m, head_class).set(u["used_bytes"])
+            self.cached_bytes.labels(m, head_class).set(u["cached_bytes"])
+        if stats.tier is not None:
+            self._update_tier(stats.tier)
         queries, hits = self._prefix_seen
         self.prefix_queries.labels(m).inc(prefix.queries - queries)
         self.prefix_hits.labels(m).inc(prefix.hits - hits)
         self._prefix_seen = (prefix.queries, prefix.hits)
 
-    def update_tier(self, tier) -> None:
-        """tier: the engine's DiskTier (its stats are cumulative; latencies drained here)."""
-        m, st = self.model, tier.stats
+    def _update_tier(self, st) -> None:
+        """st: the disk tier's TierStats (cumulative; latencies drained here)."""
+        m = self.model
         self.tier_bytes.labels(m).set(st.bytes)
         self.tier_entries.labels(m).set(st.entries)
         self.tier_host_bytes.labels(m).set(st.host_bytes)
