@@ -9,53 +9,29 @@ copies to run). It owns no tensor: the model runner allocates the storage that
 Prefix caching (see prefix_cache): on admission `match_prefix` finds the longest prefix
 of a prompt whose full-head blocks and window-head state are cached; `allocate` shares
 those blocks and asks the runner to load the window state into the new ring slot. After
-each step `commit` registers the sequence's newly full blocks and, at planned points,
-asks the runner to save its ring as a snapshot:
-  - anchors: a block boundary TRAILING_TOKENS before the end of the prompt (so that the
-    first follow-up question about a document, which leaves the first prompt where the
-    question starts, finds a state near the document's end; for a shorter prompt, its
-    end instead), and the point where the prompt left the cached prefix (a document's
-    end, once its next question comes; the snapshot loaded to get there is demoted);
-  - speculative (evicted first): the last block boundary before the end of the prompt
-    (an exact repeat), and the latest block boundary while decoding (the next chat turn
-    starts from it).
-A speculative snapshot that serves a hit becomes an anchor. A point inside a prefill
-chunk does not cut the chunk: a free ring slot is lent for the step as scratch, the
-layers write the state at that point into it, and commit saves it (plan_chunk).
+each step `commit` registers the sequence's newly full blocks; where window state is
+saved is the snapshot policy's (cache/snapshots.py), and the disk tier is reached
+through its link (cache/tier_link.py). The copies all three plan wait in one queue
+(ops.CopyQueue) until the runner takes them (pop_ops).
 """
 from __future__ import annotations
-
-from dataclasses import dataclass, field
 
 import torch
 
 from headwise.cache.block_pool import BlockPool, PageKind
-from headwise.cache.disk_tier import DiskTier, TierEntry
+from headwise.cache.disk_tier import DiskTier
 from headwise.cache.full_pool import FullHeadPool
-from headwise.heads.layout import HeadLayout
-from headwise.cache.ops import PageIn, PageOut, PrefixHit, RingClone, RingCopy
+from headwise.cache.ops import CopyQueue, PageIn, PageOut, PrefixHit, RingClone, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
+from headwise.cache.snapshots import SeqBooks, SnapshotPolicy
 from headwise.cache.spec import CacheGeometry, class_specs
-
-# A snapshot this many tokens (rounded to blocks) before the end of each prompt.
-TRAILING_TOKENS = 128
+from headwise.cache.tier_link import Fetch, TierLink
+from headwise.heads.layout import HeadLayout
 
 
 class CacheConfigError(ValueError):
     pass
-
-
-@dataclass
-class _SeqBooks:
-    hit: PrefixHit
-    hashes: list[int]
-    num_registered: int = 0
-    computed: int = 0              # tokens in the cache as of the last commit
-    rolling: int | None = None     # its latest decode snapshot
-    saved: list[tuple[int, int]] = field(default_factory=list)  # (point, key) of its anchors
-    # Points inside the chunk being computed, each with the scratch ring slot lent for it
-    scratch: list[tuple[int, int]] = field(default_factory=list)
 
 
 class KVCacheManager:
@@ -95,9 +71,12 @@ class KVCacheManager:
         # Different KV never shares a key: the root names the layout, dtypes, block size.
         self._root = root_hash(("headwise", layout.shape, str(dtype), geo.full.label, geo.window.label, block_size,
                                 tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
-        self._seqs: dict[int, _SeqBooks] = {}
-        self._ops: list[RingCopy | RingClone | PageOut | PageIn] = []
+        self._seqs: dict[int, SeqBooks] = {}
+        self._queue = CopyQueue()
+        self.snapshots = SnapshotPolicy(self.index, pool, self.ring, self._queue, block_size,
+                                        self.snapshot_pages, self._root)
         self.tier: DiskTier | None = None
+        self._tier_link: TierLink | None = None
 
     def attach_tier(self, tier: DiskTier) -> None:
         """Evicted prefixes go to `tier` and hits may come back from it (prefix caching
@@ -105,7 +84,8 @@ class KVCacheManager:
         if not self.caching:
             raise CacheConfigError("a KV offload directory needs prefix caching (enable_prefix_caching=True)")
         self.tier = tier
-        self.index.on_evicted = self._offload
+        self._tier_link = TierLink(tier, self.index, self.full.blocks, self._queue, self.block_size,
+                                   self.snapshot_pages, self._root, self.full.active)
 
     @property
     def root(self) -> int:
@@ -138,46 +118,28 @@ class KVCacheManager:
         hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
         blocks = self.index.cached_blocks(hashes) if self.full.active else []
         n = len(blocks) if self.full.active else max_blocks
-        tier = self.tier if use_tier else None
-        if tier is not None and self.full.active:  # the chain may go on in the disk tier
-            while n < max_blocks and tier.has(PageKind.BLOCK, hashes[n]):
-                n += 1
+        link = self._tier_link if use_tier else None
+        if link is not None and self.full.active:  # the chain may go on in the disk tier
+            n = link.extend_chain(hashes, n, max_blocks)
         reach = n * bs  # how far the cached full blocks go
         snapshot, snap_on_disk = None, False
         if self.snapshot_pages:  # window heads: the latest saved state within the reach
             while n and hashes[n - 1] not in self.index.snapshots:
-                if tier is not None and tier.has(PageKind.SNAPSHOT, hashes[n - 1]):
+                if link is not None and link.has_snapshot(hashes[n - 1]):
                     snap_on_disk = True
                     break
                 n -= 1
             snapshot = hashes[n - 1] if n else None
-        L = n * bs
-        hit = PrefixHit(L, hashes, blocks[:n], snapshot, num_prompt=P)
-        need = [(PageKind.BLOCK, h) for h in hashes[len(hit.blocks):n]] if self.full.active else []
-        need += [(PageKind.SNAPSHOT, snapshot)] if snap_on_disk else []
-        if need:
-            got = [tier.ready(*i) for i in need]
-            if any(g is None for g in got):
-                tier.prefetch([i for i, g in zip(need, got) if g is None])
-                got = [tier.ready(*i) for i in need]  # the host tier's are ready at once
-            if any(g is None for g in got):
-                if any(tier.is_pending(*i) for i in need):
-                    hit.pending = True
-                    return hit
-                return self.match_prefix(token_ids, use_tier=False)  # a read failed
-            for entry, _ in got:  # verified against the prompt's tokens, not the hash alone
-                i = hashes.index(entry.key)
-                if entry.tokens != token_ids[i * bs:(i + 1) * bs] or entry.parent != (hashes[i - 1] if i else self._root):
-                    tier.drop(entry.kind, entry.key, "tokens differ from the prompt's")
-                    return self.match_prefix(token_ids, use_tier=False)
-            hit.from_disk = got
+        hit = PrefixHit(n * bs, hashes, blocks[:n], snapshot, num_prompt=P)
+        if link is not None:
+            fetched = link.fetch(hit, token_ids, snap_on_disk)
+            if fetched is Fetch.PENDING:
+                hit.pending = True
+                return hit
+            if fetched is Fetch.FAILED:
+                return self.match_prefix(token_ids, use_tier=False)
         if self.snapshot_pages:
-            end = max_blocks * bs
-            trailing = end - TRAILING_TOKENS // bs * bs
-            anchors = {trailing if trailing > L else end, reach}
-            hit.points = sorted(p for p in anchors | {end} if p > L)
-            hit.anchors = frozenset(anchors)
-            hit.reach = reach
+            self.snapshots.plan(hit, max_blocks, reach)
         return hit
 
     def plan_chunk(self, seq_id: int, start: int, end: int, hit: PrefixHit | None = None) -> int:
@@ -189,28 +151,13 @@ class KVCacheManager:
         own ring holds the state after the step."""
         books = self._seqs.get(seq_id)
         hit = hit or (books.hit if books else None)
-        if hit is None:
-            return end
-        inside = hit.points_inside(start, end)
-        spare = max(0, self.ring.num_free - (books is None))  # an admitted one takes a slot first
-        return inside[spare] if len(inside) > spare else end
+        return end if hit is None else self.snapshots.chunk_end(books, hit, start, end)
 
     def chunk_snapshots(self, seq_id: int) -> list[tuple[int, int]]:
         """(point, scratch ring slot) of the snapshot points inside the sequence's chunk of
         this step: its layers write the window state at each point into the slot."""
         books = self._seqs.get(seq_id)
         return list(books.scratch) if books else []
-
-    def _lend_scratch(self, seq_id: int, books: _SeqBooks, end: int) -> None:
-        """Lend scratch ring slots to the points inside the chunk [books.computed, end),
-        holding the ring's state at the chunk's start (planned by plan_chunk)."""
-        start = books.computed
-        for p in books.hit.points_inside(start, end):
-            if self.ring.num_free:
-                slot = self.ring.lend()
-                if start:  # (before the first token the ring holds nothing to keep)
-                    self._ops.append(RingClone(self.ring.slot(seq_id), slot))
-                books.scratch.append((p, slot))
 
     def commit(self, seq_id: int, token_ids, num_computed: int) -> None:
         """After a step: `num_computed` tokens of the sequence are in the cache.
@@ -232,80 +179,22 @@ class KVCacheManager:
                                          toks[(i - done) * bs:(i - done + 1) * bs])
             books.num_registered = nfull
         books.computed = num_computed
-        for point, slot in books.scratch:  # points inside the chunk, from their scratch slots
-            self._save_point(books, point, slot, token_ids)
-            self.ring.take_back(slot)  # the save is queued first, so the slot may be reused
-        books.scratch.clear()
-        if not self.snapshot_pages or num_computed % bs or not num_computed:
-            return
-        if num_computed in books.hit.points:
-            self._save_point(books, num_computed, self.ring.slot(seq_id), token_ids)
-        elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
-            old = self.index.snapshots.get(books.rolling)
-            if old is not None and not old.anchor:  # (one that served a hit stays)
-                self.index.drop_snapshot(books.rolling)
-            key = books.hashes[nfull - 1]
-            saved = self._save(key, False, self._meta(books, num_computed, token_ids), self.ring.slot(seq_id))
-            books.rolling = key if saved else None
+        self.snapshots.after_step(seq_id, books, num_computed, token_ids)
 
-    def _meta(self, books: _SeqBooks, point: int, token_ids) -> tuple[int, list[int]]:
-        """(previous block's hash, tokens of the block ending at `point`) of a snapshot."""
-        i = point // self.block_size
-        return (books.hashes[i - 2] if i > 1 else self._root, token_ids(point - self.block_size, point))
-
-    def _save_point(self, books: _SeqBooks, point: int, ring_slot: int, token_ids) -> None:
-        """Save the window state after `point` tokens (a planned point), held in `ring_slot`."""
-        key = books.hashes[point // self.block_size - 1]
-        if self._save(key, point in books.hit.anchors, self._meta(books, point, token_ids), ring_slot):
-            books.saved.append((point, key))
-        loaded = self.index.snapshots.get(books.hit.snapshot)
-        if point == books.hit.reach and key in self.index.snapshots and loaded:
-            loaded.anchor = False  # the prefix's new, longer state supersedes it
-            self.full.blocks.demote(loaded.pages)
-
-    def _save(self, key: int, anchor: bool, meta: tuple[int, list[int]], ring_slot: int) -> bool:
-        snap = self.index.snapshots.get(key)
-        if snap is not None:  # another sequence saved this state already
-            if anchor and not snap.anchor:
-                snap.anchor = True
-                self.full.blocks.promote(snap.pages)
-            return False
-        pool = self.full.blocks
-        # Opportunistic: never at the expense of running sequences, and a speculative
-        # snapshot never evicts cached prefixes of normal priority.
-        if self.snapshot_pages > (pool.num_free if anchor else pool.num_spare):
-            return False
-        pages = pool.take(self.snapshot_pages, high=True)
-        self.index.add_snapshot(key, pages, anchor, *meta)
-        self._ops.append(RingCopy(True, ring_slot, pages, anchor))
-        return True
-
-    def pop_ops(self) -> list[RingCopy | PageOut | PageIn]:
+    def pop_ops(self) -> list[RingCopy | RingClone | PageOut | PageIn]:
         """Copies for the runner to make now, in order; pass them to ops_done afterwards."""
-        ops, self._ops = self._ops, []
-        return ops
+        return self._queue.pop()
 
     def ops_done(self, ops: list) -> None:
         for op in ops:
             if isinstance(op, RingCopy):
                 self.full.blocks.release(op.pages, low=op.save and not op.anchor)
 
-    def _offload(self, kind: PageKind, key: int, pages: list[int], parent: int, tokens: list[int]) -> None:
-        """An evicted entry: copy its pages out to the disk tier before they are reused."""
-        if not self.tier.has(kind, key):
-            self._ops.append(PageOut(TierEntry(kind, key, parent, tokens), pages))
-            self.tier.expect(kind, key)
-
     def offload_all(self) -> None:
         """Queue copies of every cached block and anchor snapshot to the disk tier (at
         shutdown: the next process finds them)."""
-        if self.tier is None:
-            return
-        for h, b in self.index.blocks.items():
-            self._offload(PageKind.BLOCK, h, [b], *self.index.block_meta[h])
-        for h, snap in self.index.snapshots.items():
-            if snap.anchor:
-                self._offload(PageKind.SNAPSHOT, h, snap.pages, snap.parent, snap.tokens)
+        if self._tier_link is not None:
+            self._tier_link.offload_all()
 
     def reset_prefix_cache(self) -> int:
         """Forget every cached prefix (running sequences keep their KV); returns the
@@ -338,37 +227,27 @@ class KVCacheManager:
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()
-        pool, bs = self.full.blocks, self.block_size
+        pool = self.full.blocks
         snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
         # What the hit shares is held before any page is taken, which could evict it.
         pool.touch(hit.blocks)
         if snap is not None:
             snap.anchor = True  # it serves a hit: no longer speculative
             pool.touch(snap.pages)
-        loaded = []
-        for entry, data in hit.from_disk:  # into new pages, registered as cached again
-            pages = pool.take(1) if entry.kind == PageKind.BLOCK else pool.take(self.snapshot_pages, high=True)
-            self._ops.append(PageIn(pages, data))
-            if entry.kind == PageKind.BLOCK:
-                loaded += pages
-                self.index.add_block(entry.key, pages[0], entry.parent, entry.tokens)
-            else:
-                self.index.add_snapshot(entry.key, pages, True, entry.parent, entry.tokens)
-                snap = self.index.snapshots[entry.key]  # held: taken above
-            self.tier.release(entry.kind, entry.key)
-        if hit.from_disk:  # tokens it would have recomputed, served from disk
-            self.tier.count_hit(hit.num_tokens - len(hit.blocks) * bs if self.full.active else hit.num_tokens)
+        loaded = self._tier_link.load(hit) if hit.from_disk else []
+        if hit.from_disk and snap is None and hit.snapshot is not None:
+            snap = self.index.snapshots.get(hit.snapshot)  # read from disk, held: taken by load
         self.full.allocate(seq_id, num_tokens, hit.blocks + loaded)
         self.ring.allocate(seq_id, num_tokens)
         if snap is not None:
-            self._ops.append(RingCopy(False, self.ring.slot(seq_id), snap.pages))
+            self._queue.add(RingCopy(False, self.ring.slot(seq_id), snap.pages))
         if self.caching and hit.num_prompt:
             self.index.stats.queries += hit.num_prompt
             self.index.stats.hits += hit.num_tokens
             n = hit.num_tokens // self.block_size
-            books = self._seqs[seq_id] = _SeqBooks(hit, hit.hashes[:n], num_registered=n,
-                                                   computed=hit.num_tokens)
-            self._lend_scratch(seq_id, books, num_tokens)
+            books = self._seqs[seq_id] = SeqBooks(hit, hit.hashes[:n], num_registered=n,
+                                                  computed=hit.num_tokens)
+            self.snapshots.lend_scratch(seq_id, books, num_tokens)
 
     def can_append(self, seq_id: int, num_tokens: int) -> bool:
         return all(p.can_append(seq_id, num_tokens) for p in self.pools)
@@ -378,29 +257,15 @@ class KVCacheManager:
             p.append(seq_id, num_tokens)
         books = self._seqs.get(seq_id)
         if books is not None:
-            self._lend_scratch(seq_id, books, num_tokens)
+            self.snapshots.lend_scratch(seq_id, books, num_tokens)
 
     def free(self, seq_id: int) -> None:
         books = self._seqs.pop(seq_id, None)
         self.ring.free(seq_id)
-        for _, slot in books.scratch if books else []:  # (a clone queued into it is harmless)
-            self.ring.take_back(slot)
         if books is None:
             self.full.free(seq_id)
-            return
-        # Eviction order, tail first: the blocks after its last snapshot, that snapshot,
-        # the blocks before it down to the previous snapshot, ... A snapshot saved early
-        # would otherwise be evicted long before the blocks it makes useful. (Its latest
-        # decode snapshot stays speculative: where a next chat turn starts, if memory
-        # allows, else from the end of its prompt.)
-        pool, table, hi = self.full.blocks, self.full.pop(seq_id), None
-        for point, key in sorted(books.saved, reverse=True):
-            pool.release(table[point // self.block_size:hi][::-1])
-            hi = point // self.block_size
-            snap = self.index.snapshots.get(key)
-            if snap is not None:
-                pool.refresh(snap.pages)
-        pool.release(table[:hi][::-1])
+        else:
+            self.snapshots.release(books, self.full.pop(seq_id))
 
     def max_tokens_per_seq(self) -> int:
         return self.full.max_tokens()

@@ -56,3 +56,18 @@ class PrefixHit:
     def points_inside(self, start: int, end: int) -> list[int]:
         """Planned snapshot points strictly inside the prefill chunk [start, end)."""
         return [p for p in self.points if start < p < end]
+
+
+class CopyQueue:
+    """The copies planned since the runner last took them, in the order planned (a
+    snapshot's save must run before its scratch slot is lent again)."""
+
+    def __init__(self) -> None:
+        self._ops: list[RingCopy | RingClone | PageOut | PageIn] = []
+
+    def add(self, op: RingCopy | RingClone | PageOut | PageIn) -> None:
+        self._ops.append(op)
+
+    def pop(self) -> list[RingCopy | RingClone | PageOut | PageIn]:
+        ops, self._ops = self._ops, []
+        return ops
