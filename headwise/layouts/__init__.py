@@ -7,7 +7,7 @@ from headwise.heads.layout import HeadLayout, HeadSpec, LayoutError
 from headwise.models.config import ModelConfig
 
 _DIR = Path(__file__).parent
-SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w512.json"}
+SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024.json"}
 
 
 def shipped_layout(model_name: str, shape: tuple[int, int, int]) -> HeadLayout | None:
