@@ -155,8 +155,9 @@ def test_padding_rows_are_the_spare_sequence():
                      ctx.decode_block_tables[:, 0].clone()))
         return ids.float()[:, None]
 
-    g = cuda_graphs.CudaGraphDecode(body, ReplayCapturer(), torch.device("cpu"), max_batch=4, max_blocks=3,
-                                    block_size=4, window_kinds=kinds, has_full_heads=True, pad_block=9, pad_ring=7)
+    shape = cuda_graphs.GraphShape(max_batch=4, max_blocks=3, block_size=4, ring_kinds=kinds, has_full_heads=True,
+                                   pad_block=9, pad_ring=7)
+    g = cuda_graphs.CudaGraphDecode(body, ReplayCapturer(), torch.device("cpu"), shape)
     g.capture()
 
     def step(B):

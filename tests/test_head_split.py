@@ -21,9 +21,12 @@ def backend_options(backend: str) -> dict:
     return dict(attention_backend="torch")
 
 
-def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False, kv_round=None) -> torch.Tensor:
+def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False, kv_round=None,
+                           masks=None) -> torch.Tensor:
     """Full-sequence forward with plain per-head masks: full heads causal, window heads
     causal and (j < sink or j > i - window). No cache; written for clarity.
+    masks: head class -> fn(spec, i, j) giving the keys a head of that class keeps
+    (ANDed with causal), for classes defined by a test.
     rebased: window heads see sink keys at the distance they would have if the evicted
     tokens were dropped (StreamingLLM): the query sits at i - max(0, i - (sink + window - 1)).
     kv_round: per head class, a function giving K/V [T, D] as a quantized cache holds them."""
@@ -54,6 +57,8 @@ def dense_reference_logits(llm: LLM, ids: list[int], rebased: bool = False, kv_r
             mask = j <= i
             if spec.kind == "window":
                 mask = mask & ((j < spec.sink) | (j > i - spec.window))
+            elif masks and spec.kind in masks:
+                mask = mask & masks[spec.kind](spec, i, j)
             s = (q[:, qh] @ kk.T) / cfg.head_dim ** 0.5
             if rebased and spec.kind == "window":
                 delta = (pos - (spec.sink + spec.window - 1)).clamp(min=0)
@@ -263,7 +268,8 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
     softmax over every position. int8: the ring holds quantized K/V, and the reference
     attends over the same quantized-then-dequantized K/V."""
     from headwise.layers import torch_attention
-    from headwise.layers.attention import WindowGroup
+    from headwise.heads import window as window_class
+    from headwise.layers.attention import HeadGroup
     from headwise.layers.context import PrefillChunk, StepContext
     from headwise.layers.kv_tensor import KVTensor, take
     from headwise.layers.window_geometry import ring_index, window_chunk
@@ -284,7 +290,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
         return KVTensor(torch.randint(-127, 128, (2, n, R, D), dtype=kv_dtype), torch.rand(2, n, R), torch.float32)
 
     k_ring, v_ring = ring(), ring()
-    wg = WindowGroup(0, n, sink, window, k_ring, v_ring)
+    wg = HeadGroup(window_class.WINDOW, 0, n, sink, window, k_ring, v_ring)
     kst, vst = k_ring.encode(k), v_ring.encode(v)  # as the layer does: encoded once
     k, v = k_ring.decode(*kst), v_ring.decode(*vst)  # what the layer hands the backend
     for p in range(start):  # what earlier chunks left in ring slot 1
@@ -292,7 +298,7 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
         k_ring.put((1, slice(None), r), *take(kst, lambda t: t[p]))
         v_ring.put((1, slice(None), r), *take(vst, lambda t: t[p]))
     ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
-    ch.window[(sink, window)] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
+    ch.window[wg.ring_kind] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
                                                    for_kernels=False, block=4)
     # no band masks when every row is in the causal prefix
     assert (geo.masks is None) == (start == 0 and c <= sink + window)

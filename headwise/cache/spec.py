@@ -9,7 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
-from headwise.heads.layout import HEAD_CLASSES, KV_CACHE_DTYPES, HeadLayout
+from headwise.heads.base import RingKind
+from headwise.heads.layout import KV_CACHE_DTYPES, KV_DTYPE_KEYS, HeadLayout
 
 # Storage dtype of each KV cache dtype name ("auto": the compute dtype).
 _STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -64,40 +65,48 @@ class KVClassSpec:
 
 
 def class_specs(layout: HeadLayout, kv_cache_dtype: str, compute: torch.dtype) -> tuple[KVClassSpec, KVClassSpec]:
-    """(full, window) specs: the layout's per-class kv_dtype where it sets one, else the option."""
-    chosen = {c: (layout.kv_dtype or {}).get(c, kv_cache_dtype) for c in HEAD_CLASSES}
-    return tuple(KVClassSpec.resolve(c, chosen[c], compute, layout.head_dim) for c in HEAD_CLASSES)
+    """(paged pool, rings) specs, named by their first class ("full", "window"): the
+    layout's kv_dtype where it sets one, else the option."""
+    chosen = {c: (layout.kv_dtype or {}).get(c, kv_cache_dtype) for c in KV_DTYPE_KEYS}
+    return tuple(KVClassSpec.resolve(c, chosen[c], compute, layout.head_dim) for c in KV_DTYPE_KEYS)
 
 
 @dataclass(frozen=True)
-class WindowGroupSpec:
-    """A run of window heads of one layer sharing (sink, window), contiguous in storage
-    order (see HeadLayout.head_order)."""
+class GroupSpec:
+    """A run of heads of one layer of one class and parameters (HeadSpec.group_key),
+    contiguous in storage order (see HeadLayout.head_order)."""
+    kind: str              # the head class
     kv_start: int          # first KV head of the group within the layer (storage order)
     kv_end: int
     sink: int
     window: int
-    offset: int            # element offset of the group within one ring slot's K (or V)
+    ring_size: int         # ring classes: tokens per head per sequence; 0 for paged ones
+    offset: int            # paged: first head of the group in the pool; ring: element
+                           # offset of the group within one ring slot's K (or V)
 
     @property
     def num_heads(self) -> int:
         return self.kv_end - self.kv_start
 
     @property
-    def ring_size(self) -> int:
-        return self.sink + self.window
+    def paged(self) -> bool:
+        return self.ring_size == 0
+
+    @property
+    def ring_kind(self) -> RingKind:
+        return RingKind(self.kind, self.sink, self.window)
 
 
 @dataclass(frozen=True)
 class CacheGeometry:
-    """Where every head's KV lives. Full heads: one paged pool [F, num_blocks *
+    """Where every head's KV lives. Paged heads (every token): one pool [F, num_blocks *
     block_size, D] for K and one for V, layer l owning heads [full_offset[l],
-    full_offset[l] + num_full[l]). Window heads: per ring slot, ring_elems elements of K
-    then of V, laid out group by group (see RingStorage in the runner)."""
+    full_offset[l] + num_full[l]). Ring heads: per ring slot, ring_elems elements of K
+    then of V, laid out group by group (see KVStorage in the runner)."""
     block_size: int
-    num_full: tuple[int, ...]                      # [L] full KV heads per layer
-    full_offset: tuple[int, ...]                   # [L] first full head of layer l in the pool
-    groups: tuple[tuple[WindowGroupSpec, ...], ...]  # [L] window groups per layer
+    num_full: tuple[int, ...]                      # [L] paged KV heads per layer
+    full_offset: tuple[int, ...]                   # [L] first paged head of layer l in the pool
+    groups: tuple[tuple[GroupSpec, ...], ...]      # [L] every head group of the layer
     full: KVClassSpec
     window: KVClassSpec
 
@@ -110,19 +119,20 @@ class CacheGeometry:
             nf = layout.num_full(l)
             offsets.append(F)
             num_full.append(nf)
-            F += nf
-            order = layout.head_order(l)
-            runs: list[list[int]] = []  # [kv_start, kv_end, sink, window]
-            for pos in range(nf, len(order)):
-                s = layout.heads[l][order[pos]]
-                if runs and (runs[-1][2], runs[-1][3]) == (s.sink, s.window):
+            row = layout.heads[l]
+            runs: list[list] = []  # [kv_start, kv_end, spec]
+            for pos, h in enumerate(layout.head_order(l)):
+                if runs and runs[-1][2].group_key == row[h].group_key:
                     runs[-1][1] = pos + 1
                 else:
-                    runs.append([pos, pos + 1, s.sink, s.window])
+                    runs.append([pos, pos + 1, row[h]])
             layer_groups = []
-            for a, b, sink, win in runs:
-                layer_groups.append(WindowGroupSpec(a, b, sink, win, E))
-                E += (b - a) * (sink + win) * layout.head_dim
+            for a, b, s in runs:
+                layer_groups.append(GroupSpec(s.kind, a, b, s.sink, s.window, s.ring_size,
+                                              F + a if s.paged else E))
+                if not s.paged:
+                    E += (b - a) * s.ring_size * layout.head_dim
+            F += nf
             groups.append(tuple(layer_groups))
         return cls(block_size, tuple(num_full), tuple(offsets), tuple(groups), full, window)
 
@@ -131,9 +141,13 @@ class CacheGeometry:
         return sum(self.num_full)
 
     @property
+    def ring_groups(self) -> list[GroupSpec]:
+        return [g for gs in self.groups for g in gs if not g.paged]
+
+    @property
     def ring_tokens(self) -> int:
-        """Head-tokens in one ring slot (sink + window of every window head of every layer)."""
-        return sum(g.num_heads * g.ring_size for gs in self.groups for g in gs)
+        """Head-tokens in one ring slot (ring_size of every ring head of every layer)."""
+        return sum(g.num_heads * g.ring_size for g in self.ring_groups)
 
     @property
     def ring_elems(self) -> int:
@@ -155,7 +169,7 @@ class CacheGeometry:
         blocks = -(-num_tokens // self.block_size) if self.total_full_heads else 0
         return blocks * self.block_bytes + self.ring_bytes
 
-    def window_kinds(self) -> list[tuple[int, int]]:
-        """Distinct (sink, window) pairs of the layout: per-step geometry is built once
-        for each, not per layer."""
-        return sorted({(g.sink, g.window) for gs in self.groups for g in gs})
+    def ring_kinds(self) -> list[RingKind]:
+        """Distinct ring classes with their parameters: per-step ring metadata is built
+        once for each, not per layer."""
+        return sorted({g.ring_kind for g in self.ring_groups})

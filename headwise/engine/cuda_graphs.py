@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from headwise.engine.decode_capture import warn_eager
-from headwise.layers.context import StepContext, WindowKind, step_context
+from headwise.layers.context import RingKind, StepContext, step_context
 
 log = logging.getLogger("headwise.cuda_graphs")
 
@@ -84,20 +85,31 @@ def capturer_for(device: torch.device) -> Capturer | None:
     return CudaCapturer(device) if device.type == "cuda" else None
 
 
+@dataclass(frozen=True)
+class GraphShape:
+    """What the captured graphs are sized for."""
+    max_batch: int                 # largest decode batch (its bucket is the largest graph)
+    max_blocks: int                # block table width: the longest sequence's blocks
+    block_size: int
+    ring_kinds: list[RingKind]     # one ring-entry buffer per kind
+    has_full_heads: bool           # whether steps carry block tables
+    pad_block: int                 # the spare block and ring slot padding rows write into
+    pad_ring: int
+
+
 class CudaGraphDecode:
     """Decode-only steps replayed from graphs captured per batch-size bucket.
 
-    hidden_fn(ids [T], positions [T]) -> [T, hidden] is the step's model body;
-    pad_block / pad_ring: the spare block and ring slot padding rows write into."""
+    hidden_fn(ids [T], positions [T]) -> [T, hidden] is the step's model body."""
 
     def __init__(self, hidden_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], capturer: Capturer,
-                 device: torch.device, max_batch: int, max_blocks: int, block_size: int,
-                 window_kinds: list[WindowKind], has_full_heads: bool, pad_block: int, pad_ring: int) -> None:
+                 device: torch.device, shape: GraphShape) -> None:
         self.hidden_fn = hidden_fn
         self.capturer = capturer
-        self.sizes = capture_sizes(max_batch)
-        self.block_size = block_size
-        self.pad_slot, self.pad_block, self.pad_ring = pad_block * block_size, pad_block, pad_ring
+        self.sizes = capture_sizes(shape.max_batch)
+        self.block_size = block_size = shape.block_size
+        self.pad_slot, self.pad_block, self.pad_ring = shape.pad_block * block_size, shape.pad_block, shape.pad_ring
+        ring_kinds, has_full_heads, max_blocks = shape.ring_kinds, shape.has_full_heads, shape.max_blocks
         n, i64 = self.sizes[-1], dict(dtype=torch.int64, device=device)
         # The persistent inputs; a step of B rows fills [:B] and pads up to its bucket.
         self.ids = torch.zeros(n, **i64)
@@ -105,7 +117,7 @@ class CudaGraphDecode:
         self.slots = torch.zeros(n, **i64)                 # full-pool slot of each row
         self.lens = torch.ones(n, **i64)                   # tokens incl. the new one
         self.ring_slots = torch.zeros(n, **i64)
-        self.ring_index = {kind: torch.zeros(n, **i64) for kind in window_kinds}  # ring entry per row
+        self.ring_index = {kind: torch.zeros(n, **i64) for kind in ring_kinds}  # ring entry per row
         self.tables = (torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
                        if has_full_heads else None)        # [n, max_blocks] block tables
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # bucket -> (replay, hidden)

@@ -7,8 +7,9 @@ from __future__ import annotations
 import torch
 
 from headwise.cache.block_pool import id_runs
-from headwise.cache.spec import CacheGeometry, WindowGroupSpec
-from headwise.layers.attention import WindowGroup
+from headwise.cache.spec import CacheGeometry, GroupSpec
+from headwise.heads.base import head_class
+from headwise.layers.attention import HeadGroup
 from headwise.layers.kv_tensor import KVTensor
 
 
@@ -40,7 +41,7 @@ class KVStorage:
         # Pages of the block pool are full-head blocks; a layout without full heads that
         # caches window state gets plain pages of `page_bytes` instead.
         self.pages = torch.zeros(0 if F else num_blocks, page_bytes, dtype=torch.uint8, device=device)
-        self._groups = [(self._ring_view(0, g), self._ring_view(1, g)) for gs in geo.groups for g in gs]
+        self._groups = [(self._ring_view(0, g), self._ring_view(1, g)) for g in geo.ring_groups]
 
     @property
     def nbytes(self) -> int:
@@ -106,7 +107,7 @@ class KVStorage:
             parts.append(got.transpose(0, 1).reshape(len(pages), -1))
         return torch.cat(parts, 1).reshape(-1)  # [N, views' bytes] flat
 
-    def _ring_view(self, kv: int, g: WindowGroupSpec) -> KVTensor:
+    def _ring_view(self, kv: int, g: GroupSpec) -> KVTensor:
         """[num_ring_slots, n, sink + window, D] K (kv=0) or V (kv=1) of one group."""
         S, D = self.num_ring_slots, self.geometry.window.head_dim
         tokens = S * g.num_heads * g.ring_size
@@ -116,7 +117,7 @@ class KVStorage:
                  self.ring_scales[start: start + tokens].view(S, g.num_heads, g.ring_size))
         return KVTensor(data, scale, self.compute["window"])
 
-    def _ring_pair(self, g: WindowGroupSpec) -> torch.Tensor | None:
+    def _ring_pair(self, g: GroupSpec) -> torch.Tensor | None:
         """[2, num_ring_slots, n, sink + window, D]: one group's K and V values together
         (for one write of both); None when the class is quantized (scales to write too)."""
         if self.ring_scales is not None:
@@ -126,19 +127,19 @@ class KVStorage:
         return self.rings[start * D: (start + 2 * S * g.num_heads * g.ring_size) * D].view(
             2, S, g.num_heads, g.ring_size, D)
 
-    def layer_views(self, layer: int):
-        """(number of full heads, their K and V [nf, slots, D] KVTensors, window groups,
-        and the full heads' K and V values together [2, nf, slots, D] or None when
-        quantized) of a layer."""
-        geo = self.geometry
-        nf, off = geo.num_full[layer], geo.full_offset[layer]
-        kf = vf = kv = None
-        if nf:
-            heads, dt = slice(off, off + nf), self.compute["full"]
-            kf = KVTensor(self.full_k[heads], None if self.full_k_scale is None else self.full_k_scale[heads], dt)
-            vf = KVTensor(self.full_v[heads], None if self.full_v_scale is None else self.full_v_scale[heads], dt)
-            kv = None if self.full_k_scale is not None else self.full_kv[:, heads]
-        groups = [WindowGroup(g.kv_start, g.kv_end, g.sink, g.window, self._ring_view(0, g), self._ring_view(1, g),
-                              self._ring_pair(g)) for g in geo.groups[layer]]
-        return nf, kf, vf, groups, kv
+    def _paged_views(self, g: GroupSpec) -> tuple[KVTensor, KVTensor, torch.Tensor | None]:
+        """K and V [n, slots, D] KVTensors of a paged group, and both values together
+        [2, n, slots, D] (None when quantized: scales to write too)."""
+        heads, dt = slice(g.offset, g.offset + g.num_heads), self.compute["full"]
+        k = KVTensor(self.full_k[heads], None if self.full_k_scale is None else self.full_k_scale[heads], dt)
+        v = KVTensor(self.full_v[heads], None if self.full_v_scale is None else self.full_v_scale[heads], dt)
+        return k, v, None if self.full_k_scale is not None else self.full_kv[:, heads]
 
+    def layer_views(self, layer: int) -> list[HeadGroup]:
+        """Every head group of a layer with its cache views, in storage order."""
+        out = []
+        for g in self.geometry.groups[layer]:
+            k, v, kv = (self._paged_views(g) if g.paged else
+                        (self._ring_view(0, g), self._ring_view(1, g), self._ring_pair(g)))
+            out.append(HeadGroup(head_class(g.kind), g.kv_start, g.kv_end, g.sink, g.window, k, v, kv))
+        return out

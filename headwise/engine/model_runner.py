@@ -10,9 +10,9 @@ from headwise.engine import cuda_graphs
 from headwise.engine.decode_capture import DecodeCapture
 from headwise.engine.kv_storage import KVStorage
 from headwise.engine.sequence import Sequence
+from headwise.heads.base import head_class
 from headwise.layers.backend import attention_backend
 from headwise.layers.context import PrefillChunk, StepContext, step_context
-from headwise.layers.window_geometry import ring_index, ring_writes, window_chunk
 from headwise.models.causal_lm import CausalLM
 
 
@@ -34,7 +34,8 @@ class ModelRunner:
         self.decode_tables = self.full_by_kernel or self.backend.decode_kernel(self.device, geo.window, dtype)
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
-        self.window_kinds = cache.geometry.window_kinds()
+        # Each ring class with its parameters, and the class that builds its metadata.
+        self.ring_kinds = [(kind, head_class(kind.name)) for kind in cache.geometry.ring_kinds()]
         # Decode in CUDA graphs (engine.cuda_graphs): where the backend's decode reads only
         # tensors, unless eager is enforced. Padding rows write into one spare block and
         # ring slot past the manager's books.
@@ -44,7 +45,7 @@ class ModelRunner:
         self.kv = KVStorage(cache.geometry, cache.num_blocks + spare, cache.num_ring_slots + spare, self.device,
                             page_bytes=cache.page_bytes, compute_dtype=dtype)
         for l, attn in enumerate(model.attention_layers()):
-            attn.bind(*self.kv.layer_views(l), self.backend)
+            attn.bind(self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)
         # In the background only where nothing below needs the compiled body at start;
         # then the engine starts it once it is built (compile_in_background), since the
@@ -55,9 +56,11 @@ class ModelRunner:
         self.graphs = None
         if capturer is not None:
             max_len = max_model_len or model.config.max_position_embeddings
-            self.graphs = cuda_graphs.CudaGraphDecode(
-                self.forward.hidden_states, capturer, self.device, max_num_seqs, -(-max_len // cache.block_size),
-                cache.block_size, self.window_kinds, cache.has_full_heads, cache.num_blocks, cache.num_ring_slots)
+            shape = cuda_graphs.GraphShape(
+                max_batch=max_num_seqs, max_blocks=-(-max_len // cache.block_size), block_size=cache.block_size,
+                ring_kinds=[k for k, _ in self.ring_kinds], has_full_heads=cache.has_full_heads,
+                pad_block=cache.num_blocks, pad_ring=cache.num_ring_slots)
+            self.graphs = cuda_graphs.CudaGraphDecode(self.forward.hidden_states, capturer, self.device, shape)
             self.graphs.capture()
 
     def apply(self, ops: list, tier=None) -> None:
@@ -122,12 +125,12 @@ class ModelRunner:
                          if tables else None)
                 ch = PrefillChunk(offset, start, n, torch.tensor(seq_slots, dtype=torch.int64, device=dev),
                                   cache.ring_slot(sid), table)
-                for sink, window in self.window_kinds:
-                    ch.window[(sink, window)] = window_chunk(start, n, sink, window, self.group_size,
-                                                             self.dtype, dev, for_kernels=paged)
+                for kind, cls in self.ring_kinds:
+                    ch.window[kind] = cls.prefill_geometry(start, n, kind.sink, kind.window, self.group_size,
+                                                           self.dtype, dev, for_kernels=paged)
                 for point, slot in cache.chunk_snapshots(sid):
-                    ch.snapshots.append((slot, {kind: ring_writes(start, point - start, *kind, dev)
-                                                for kind in self.window_kinds}))
+                    ch.snapshots.append((slot, {kind: cls.ring_writes(start, point - start, kind.sink, kind.window, dev)
+                                                for kind, cls in self.ring_kinds}))
                 chunks.append(ch)
             offset += n
             if start + n == seq.num_tokens:
@@ -143,8 +146,8 @@ class ModelRunner:
             ctx.decode_lens = torch.tensor(lens, device=dev)
             ctx.decode_ring_slots = torch.tensor(ring_slots, device=dev)
             ctx.decode_min_len, ctx.decode_ring_slot_list = min(lens), ring_slots
-            for sink, window in self.window_kinds:
-                ctx.decode_ring_index[(sink, window)] = ring_index(positions[:B], sink, window)
+            for kind, cls in self.ring_kinds:
+                ctx.decode_ring_index[kind] = cls.ring_index(positions[:B], kind.sink, kind.window)
             if cache.has_full_heads and (tables or self.full_by_kernel):
                 rows = [cache.block_table(s.seq_id) for s, _ in decodes]
                 width = max(map(len, rows))
@@ -157,6 +160,7 @@ class ModelRunner:
                 ctx.decode_ring_table = torch.tensor(ring_slots, dtype=torch.int32, device=dev)[:, None]
         if self.rebased:
             rotary = self.model.model.rotary
-            ctx.sink_rope = {(sink, window): rotary.back_tables((positions - (sink + window - 1)).clamp(min=0))
-                             for sink, window in self.window_kinds}
+            tables = {kind: cls.rebased_tables(rotary, positions, kind.sink, kind.window)
+                      for kind, cls in self.ring_kinds}
+            ctx.sink_rope = {kind: t for kind, t in tables.items() if t is not None}
         return ctx, ids, sampling_rows, sampling_seqs

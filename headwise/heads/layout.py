@@ -9,7 +9,8 @@ File format (JSON, version 2):
      "scores": [[...], ...]}          # optional, per-head calibration scores
 A head given as a bare string uses the file's default sink and window. `kv_dtype` sets a
 class's KV cache dtype, overriding the engine's kv_cache_dtype option for that class.
-Version 1 files (no kv_dtype) still load.
+Version 1 files (no kv_dtype) still load. The classes are those registered in
+headwise.heads.base (heads/full.py, heads/window.py); each checks its own parameters.
 """
 from __future__ import annotations
 
@@ -19,42 +20,59 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from headwise.heads import base
+from headwise.heads.base import LayoutError
+
 FORMAT = "headwise-head-layout"
 VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
-HEAD_CLASSES = ("full", "window")
+# A layout's kv_dtype sets the dtype of each pool by the name of its first class: "full"
+# for the paged pool, "window" for the rings.
+KV_DTYPE_KEYS = ("full", "window")
 # KV cache dtypes, by the names options and layout files use. "auto": the compute dtype;
 # int8 and fp8_e4m3 store one scale per token and head beside the values.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3")
 
 
-class LayoutError(ValueError):
-    pass
-
-
 @dataclass(frozen=True)
 class HeadSpec:
-    kind: str              # "full" | "window"
-    sink: int = DEFAULT_SINK
+    kind: str              # a registered head class: "full", "window", ...
+    sink: int = DEFAULT_SINK     # parameters; a class reads those it names (HeadClass.params)
     window: int = DEFAULT_WINDOW
 
     def __post_init__(self) -> None:
-        if self.kind not in HEAD_CLASSES:
-            raise LayoutError(f"unknown head class {self.kind!r}; expected one of {HEAD_CLASSES}")
-        if self.kind == "window":
-            if not isinstance(self.window, int) or self.window < 1:
-                raise LayoutError(f"window must be an integer >= 1, got {self.window!r}")
-            if not isinstance(self.sink, int) or self.sink < 0:
-                raise LayoutError(f"sink must be an integer >= 0, got {self.sink!r}")
+        if self.head_class is None:
+            raise LayoutError(f"unknown head class {self.kind!r}; expected one of {base.class_names()}")
+        # Parameters the class does not have take their defaults, so that equal heads
+        # compare (and hash into prefix-cache keys) equal.
+        for p, default in (("sink", DEFAULT_SINK), ("window", DEFAULT_WINDOW)):
+            if p not in self.head_class.params:
+                object.__setattr__(self, p, default)
+        self.head_class.check(self)
+
+    @property
+    def head_class(self) -> base.HeadClass | None:
+        return base.head_class(self.kind)
 
     def __str__(self) -> str:
-        return "full" if self.kind == "full" else f"window (sink {self.sink}, window {self.window})"
+        return self.head_class.describe(self)
 
     @property
     def ring_size(self) -> int:
-        return self.sink + self.window if self.kind == "window" else 0
+        """Tokens a head of a ring class keeps per sequence (0 for paged classes)."""
+        return self.head_class.ring_size(self)
+
+    @property
+    def paged(self) -> bool:
+        return self.head_class.storage == base.PAGED
+
+    @property
+    def group_key(self) -> tuple:
+        """Heads of one layer with equal keys are stored and attended together, in this
+        order: paged classes first, then by registration, then by parameters."""
+        return (not self.paged, base.order(self.kind), self.head_class.group_key(self))
 
 
 @dataclass
@@ -70,9 +88,9 @@ class HeadLayout:
 
     def __post_init__(self) -> None:
         for cls_name, dt in (self.kv_dtype or {}).items():
-            if cls_name not in HEAD_CLASSES or dt not in KV_CACHE_DTYPES:
+            if cls_name not in KV_DTYPE_KEYS or dt not in KV_CACHE_DTYPES:
                 raise LayoutError(
-                    f"layout {self.name!r}: kv_dtype maps a head class {HEAD_CLASSES} to one of "
+                    f"layout {self.name!r}: kv_dtype maps {KV_DTYPE_KEYS} to one of "
                     f"{KV_CACHE_DTYPES}, got {cls_name!r}: {dt!r}")
         if len(self.heads) != self.num_layers or any(len(r) != self.num_kv_heads for r in self.heads):
             raise LayoutError(
@@ -119,19 +137,18 @@ class HeadLayout:
         return self.num_layers, self.num_kv_heads, self.head_dim
 
     def num_full(self, layer: int) -> int:
-        return sum(s.kind == "full" for s in self.heads[layer])
+        """KV heads of a layer that keep every token (paged classes)."""
+        return sum(s.paged for s in self.heads[layer])
 
     @property
     def full_fraction(self) -> float:
         return sum(self.num_full(l) for l in range(self.num_layers)) / (self.num_layers * self.num_kv_heads)
 
     def head_order(self, layer: int) -> list[int]:
-        """KV heads of a layer in storage order: full first, then window heads by (sink, window)."""
+        """KV heads of a layer in storage order (HeadSpec.group_key, then head index):
+        paged heads first, so every group of a class and parameters is contiguous."""
         row = self.heads[layer]
-        full = [h for h, s in enumerate(row) if s.kind == "full"]
-        win = sorted((h for h, s in enumerate(row) if s.kind == "window"),
-                     key=lambda h: (row[h].sink, row[h].window, h))
-        return full + win
+        return sorted(range(len(row)), key=lambda h: (row[h].group_key, h))
 
     def check_shape(self, num_layers: int, num_kv_heads: int, head_dim: int) -> None:
         if self.shape != (num_layers, num_kv_heads, head_dim):
@@ -143,12 +160,13 @@ class HeadLayout:
 
     # ---- files --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
+        defaults = {"sink": self.default_sink, "window": self.default_window}
+
         def enc(s: HeadSpec):
-            if s.kind == "full":
-                return "full"
-            if (s.sink, s.window) == (self.default_sink, self.default_window):
-                return "window"
-            return {"class": "window", "sink": s.sink, "window": s.window}
+            params = {p: getattr(s, p) for p in s.head_class.params}
+            if all(v == defaults[p] for p, v in params.items()):
+                return s.kind
+            return {"class": s.kind, **params}
 
         d: dict[str, Any] = {
             "format": FORMAT, "version": VERSION, "model": self.model, "name": self.name,
@@ -164,11 +182,15 @@ class HeadLayout:
 
     @property
     def default_sink(self) -> int:
-        return next((s.sink for r in self.heads for s in r if s.kind == "window"), DEFAULT_SINK)
+        return self._default("sink", DEFAULT_SINK)
 
     @property
     def default_window(self) -> int:
-        return next((s.window for r in self.heads for s in r if s.kind == "window"), DEFAULT_WINDOW)
+        return self._default("window", DEFAULT_WINDOW)
+
+    def _default(self, param: str, fallback: int) -> int:
+        """The file's default of a parameter: that of the first head whose class has it."""
+        return next((getattr(s, param) for r in self.heads for s in r if param in s.head_class.params), fallback)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=1) + "\n")
@@ -201,11 +223,9 @@ class HeadLayout:
             for h, e in enumerate(row):
                 try:
                     if isinstance(e, str):
-                        specs.append(HeadSpec(e, sink, window) if e == "window" else HeadSpec(e))
+                        specs.append(HeadSpec(e, sink, window))
                     elif isinstance(e, dict):
-                        kind = e.get("class")
-                        specs.append(HeadSpec(kind, e.get("sink", sink), e.get("window", window))
-                                     if kind == "window" else HeadSpec(kind))
+                        specs.append(HeadSpec(e.get("class"), e.get("sink", sink), e.get("window", window)))
                     else:
                         raise LayoutError(f"head entry must be a string or object, got {e!r}")
                 except LayoutError as err:

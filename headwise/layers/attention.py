@@ -1,11 +1,10 @@
 """Head-split attention over the cache views the model runner binds into each layer.
 
-Within a layer the KV heads are ordered full heads first, then window heads grouped by
-(sink, window); the model's projection weights are permuted to match at load time
-(see headwise.models.head_order), so every class is a contiguous slice.
-Full heads read and write paged blocks; window heads read and write a fixed-size ring.
-The layer writes the cache; the attention itself is the bound backend's (one function
-per head class and operation, see layers.torch_attention). Cache views are KVTensors
+Within a layer the KV heads are ordered in groups of one head class and parameters
+(paged classes first, see HeadLayout.head_order); the model's projection weights are
+permuted to match at load time (see headwise.models.head_order), so every group is a
+contiguous slice. The layer hands each group to its class (headwise.heads), which writes
+the group's cache and attends it with the bound backend. Cache views are KVTensors
 (layers.kv_tensor): a quantized class's K/V are written once, quantized, and the step's
 own K/V are attended in their round-tripped form, as later reads will see them.
 
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +24,6 @@ from torch import nn
 from headwise.layers import opaque
 from headwise.layers.context import get_context
 from headwise.layers.kv_tensor import KVTensor, take
-from headwise.layers.rotary import rotate
 
 
 @torch.library.custom_op("headwise::attention", mutates_args=())
@@ -40,16 +39,30 @@ def _(q, k, v, layer):
 
 
 @dataclass
-class WindowGroup:
-    """One layer's view of a window group's rings: every ring slot, n heads."""
+class HeadGroup:
+    """One layer's view of one head group's cache (see CacheGeometry.groups)."""
+    head_class: Any        # its headwise.heads.base.HeadClass
     kv_start: int          # first KV head of the group within the layer
     kv_end: int
-    sink: int
+    sink: int              # the class's parameters (those it has)
     window: int
-    k_ring: KVTensor       # [num_ring_slots, n_heads, sink + window, D] view
-    v_ring: KVTensor
-    kv_ring: torch.Tensor | None = None  # [2, num_ring_slots, n_heads, sink + window, D]
-                                         # K and V values together (None: quantized)
+    k: KVTensor            # paged: [n, slots, D]; ring: [num_ring_slots, n, ring_size, D]
+    v: KVTensor
+    kv: torch.Tensor | None = None  # K and V values together, [2, ...] (one write of
+                                    # both); None when quantized
+
+    @property
+    def num_heads(self) -> int:
+        return self.kv_end - self.kv_start
+
+    @property
+    def paged(self) -> bool:
+        return len(self.k.shape) == 3  # [n, slots, D]; a ring view has a slot dim more
+
+    @property
+    def ring_kind(self) -> tuple[str, int, int]:
+        """(class, sink, window): the key of the step's ring metadata (heads.base.RingKind)."""
+        return self.head_class.name, self.sink, self.window
 
 
 class HeadSplitAttention(nn.Module):
@@ -62,27 +75,18 @@ class HeadSplitAttention(nn.Module):
         self.head_dim = head_dim
         self.scale = head_dim ** -0.5 if scale is None else scale  # of q.k
         # Bound by the model runner; the layer never allocates cache memory.
-        self.num_full = num_kv_heads
-        self.k_full: KVTensor | None = None  # [num_full, num_slots, D]
-        self.v_full: KVTensor | None = None
-        self.kv_full: torch.Tensor | None = None
-        self.window_groups: list[WindowGroup] = []
+        self.groups: list[HeadGroup] = []
         self.backend: ModuleType | None = None
         self.backend_state = None
         # Optional callback (q, k, v) used by calibration to read a layer's heads.
         self.observer = None
 
-    def bind(self, num_full: int, k_full, v_full, window_groups: list[WindowGroup],
-             kv_full: torch.Tensor | None, backend: ModuleType) -> None:
-        # kv_full: the full heads' K and V values together [2, nf, slots, D] (one write
-        # for both), None when quantized
-        self.num_full = num_full
-        self.k_full, self.v_full, self.kv_full = k_full, v_full, kv_full
-        self.window_groups = window_groups
+    def bind(self, groups: list[HeadGroup], backend: ModuleType) -> None:
+        self.groups = groups
         self.backend = backend
         self.backend_state = None  # whatever the backend keeps per layer (built on first use)
-        caches = ([k_full] if num_full else []) + [wg.k_ring for wg in window_groups]
-        # When every class of the layer stores K/V alike, the step's K/V are encoded
+        caches = [g.k for g in groups]
+        # When every group of the layer stores K/V alike, the step's K/V are encoded
         # once for all heads (a quantized step is a dozen small ops per call).
         self._shared = caches[0] if all(c.format == caches[0].format for c in caches) else None
 
@@ -103,8 +107,7 @@ class HeadSplitAttention(nn.Module):
             return fused
         out = torch.empty_like(q)
         g = self.group
-        nf = self.num_full
-        # Stored forms (values, scales) of the step's K and V, per class.
+        # Stored forms (values, scales) of the step's K and V, per group.
         shared = None if self._shared is None else self._shared.encode_kv(k, v)
 
         def forms(cache: KVTensor, heads: slice):
@@ -112,68 +115,8 @@ class HeadSplitAttention(nn.Module):
                 return cache.encode_kv(k[:, heads], v[:, heads])
             return tuple(take(f, lambda t: t[:, heads]) for f in shared)
 
-        if nf:
-            self._full(ctx, q[:, : nf * g], *forms(self.k_full, slice(0, nf)), out[:, : nf * g])
-        for wg in self.window_groups:
-            qs = slice(wg.kv_start * g, wg.kv_end * g)
-            ks = slice(wg.kv_start, wg.kv_end)
-            self._window(ctx, wg, q[:, qs], *forms(wg.k_ring, ks), out[:, qs])
+        for grp in self.groups:
+            qs = slice(grp.kv_start * g, grp.kv_end * g)
+            ks = slice(grp.kv_start, grp.kv_end)
+            grp.head_class.attend(self, grp, ctx, q[:, qs], *forms(grp.k, ks), out[:, qs])
         return out
-
-    def _full(self, ctx, q, kst, vst, out) -> None:
-        # kst, vst: stored forms of the step's K/V [T, nf, D] (+ scales [T, nf]); written
-        # as they are, attended as reads will return them.
-        kc, vc, be = self.k_full, self.v_full, self.backend
-        if self.kv_full is not None:  # K and V in one write: [2, nf, T, D]
-            self.kv_full[:, :, ctx.full_slots] = torch.stack((kst[0], vst[0])).transpose(1, 2)
-        else:
-            at = (slice(None), ctx.full_slots)
-            kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
-            vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
-        B = ctx.num_decode
-        if B:
-            out[:B] = be.full_decode(q[:B], kc, vc, ctx, self.scale)
-        if ctx.prefills:  # decode reads its own token back from the pool
-            k, v = kc.decode(*kst), vc.decode(*vst)
-        for ch in ctx.prefills:
-            s = ch.rows
-            out[s] = be.full_prefill(q[s], k[s], v[s], kc, vc, ctx, ch, self.scale)
-
-    def _window(self, ctx, wg: WindowGroup, q, kst, vst, out) -> None:
-        be, kind = self.backend, (wg.sink, wg.window)
-        sink_rope = ctx.sink_rope[kind] if ctx.sink_rope and wg.sink else None
-        B = ctx.num_decode
-        if B:
-            ridx, slots = ctx.decode_ring_index[kind], ctx.decode_ring_slots
-            # The new token overwrites position p - window, which it no longer sees.
-            if wg.kv_ring is not None:  # K and V in one write: [B, 2, n, D]
-                wg.kv_ring[:, slots, :, ridx] = torch.stack((kst[0][:B], vst[0][:B]), dim=1)
-            else:
-                at = (slots, slice(None), ridx)
-                wg.k_ring.put(at, *take(kst, lambda t: t[:B]))
-                wg.v_ring.put(at, *take(vst, lambda t: t[:B]))
-            q_sink = None if sink_rope is None else rotate(q[:B], sink_rope[0][:B], sink_rope[1][:B])
-            out[:B] = be.window_decode(q[:B], wg, ctx, q_sink, self.scale)
-        if ctx.prefills:  # decode reads its own token back from the ring
-            k, v = wg.k_ring.decode(*kst), wg.v_ring.decode(*vst)
-        for ch in ctx.prefills:
-            s = ch.rows
-            q_sink = None if sink_rope is None else rotate(q[s], sink_rope[0][s], sink_rope[1][s])
-            out[s] = be.window_prefill(q[s], k[s], v[s], wg, ctx, ch, q_sink, self.scale)
-            # Written after attention: earlier queries of the chunk still need the
-            # ring's older entries. Only tokens that survive the chunk are stored.
-            geo = ch.window[kind]
-            at = (ch.ring_slot, slice(None), geo.write_index)
-
-            def kept(t: torch.Tensor) -> torch.Tensor:  # [c, n, ...] -> [n, kept, ...]
-                return t[s][geo.write_rows].transpose(0, 1)
-
-            wg.k_ring.put(at, *take(kst, kept))
-            wg.v_ring.put(at, *take(vst, kept))
-            # The state at a snapshot point inside the chunk: its scratch slot holds the
-            # ring as of the chunk's start; add the chunk rows the ring holds at the point.
-            for slot, writes in ch.snapshots:
-                rows, index = writes[kind]
-                at = (slot, slice(None), index)
-                wg.k_ring.put(at, *take(kst, lambda t: t[s][rows].transpose(0, 1)))
-                wg.v_ring.put(at, *take(vst, lambda t: t[s][rows].transpose(0, 1)))

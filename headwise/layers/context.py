@@ -14,7 +14,7 @@ import torch
 
 from headwise.layers.window_geometry import WindowChunk
 
-WindowKind = tuple[int, int]  # (sink, window)
+RingKind = tuple[str, int, int]  # (class, sink, window): heads.base.RingKind
 
 
 @dataclass
@@ -26,11 +26,11 @@ class PrefillChunk:
                            # (torch backend), else of the chunk only
     ring_slot: int         # the sequence's slot in the window-head ring pool
     block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
-    window: dict[WindowKind, WindowChunk] = field(default_factory=dict)
+    window: dict[RingKind, WindowChunk] = field(default_factory=dict)  # per ring kind
     # Window state at snapshot points inside the chunk: per point, the scratch ring slot
     # that holds the ring as of the chunk's start, and per (sink, window) the chunk rows
     # [r] (relative to the chunk) that the ring holds at the point and their ring entries [r]
-    snapshots: list[tuple[int, dict[WindowKind, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    snapshots: list[tuple[int, dict[RingKind, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
 
     @property
     def rows(self) -> slice:
@@ -53,10 +53,10 @@ class StepContext:
                                                      # and the torch backend's C kernel)
     decode_lens_i32: torch.Tensor | None = None      # [B] int32 decode_lens (C kernel)
     decode_ring_table: torch.Tensor | None = None    # [B, 1] int32 ring slots (C kernel)
-    decode_ring_index: dict[WindowKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
-    # Re-based (StreamingLLM) positions only: per (sink, window), rotary tables (cos, sin)
-    # [T, 1, D/2] turning each query back by max(0, p - (sink + window - 1)) for sink keys.
-    sink_rope: dict[WindowKind, tuple[torch.Tensor, torch.Tensor]] | None = None
+    decode_ring_index: dict[RingKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
+    # Re-based (StreamingLLM) positions only: per ring kind, rotary tables (cos, sin)
+    # [T, 1, D/2] turning each query back for the sink keys (HeadClass.rebased_tables).
+    sink_rope: dict[RingKind, tuple[torch.Tensor, torch.Tensor]] | None = None
     prefills: list[PrefillChunk] = field(default_factory=list)
     # A warm-up run of a captured step (engine.decode_capture): attention returns zeros
     # and writes nothing, as vLLM's dummy runs do.

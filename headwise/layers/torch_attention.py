@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from headwise.cache.spec import KVClassSpec
 from headwise.kernels import cpu_kernels
-from headwise.layers.attention import HeadSplitAttention, WindowGroup
+from headwise.layers.attention import HeadGroup, HeadSplitAttention
 from headwise.layers.context import PrefillChunk, StepContext
 from headwise.layers.kv_tensor import KVTensor
 
@@ -51,38 +51,42 @@ def decode_kernel(device: torch.device, spec: KVClassSpec, compute: torch.dtype)
             and cpu_kernels.library() is not None)
 
 
-def pool_call(k: KVTensor, v: KVTensor, block_size: int, g: int) -> cpu_kernels.DecodeCall:
-    """The C kernel's call for a layer's full heads: K/V [nf, slots, D] (+ scales [nf, slots])."""
+def pool_call(k: KVTensor, v: KVTensor, block_size: int, g: int, head: int = 0) -> cpu_kernels.DecodeCall:
+    """The C kernel's call for a paged group: K/V [n, slots, D] (+ scales [n, slots]), the
+    group being KV heads [head, head + n) of the queries it is given."""
     scales = None if k.scale is None else (k.scale, v.scale, block_size * k.scale.stride(1))
-    return cpu_kernels.DecodeCall(k.data, v.data, block_size, block_size * k.data.stride(1), g, scales=scales)
+    return cpu_kernels.DecodeCall(k.data, v.data, block_size, block_size * k.data.stride(1), g, head,
+                                  scales=scales)
 
 
-def ring_call(wg: WindowGroup, g: int, head: int) -> cpu_kernels.DecodeCall:
-    """The C kernel's call for a window group's rings [S, n, R, D] (+ scales [S, n, R]),
+def ring_call(wg: HeadGroup, g: int, head: int) -> cpu_kernels.DecodeCall:
+    """The C kernel's call for a ring group's rings [S, n, R, D] (+ scales [S, n, R]),
     the group being KV heads [head, head + n) of the queries it is given."""
-    k, v = wg.k_ring.data.transpose(0, 1), wg.v_ring.data.transpose(0, 1)  # [n, S, R, D]
+    k, v = wg.k.data.transpose(0, 1), wg.v.data.transpose(0, 1)  # [n, S, R, D]
     scales = None
-    if wg.k_ring.scale is not None:
-        ks, vs = wg.k_ring.scale.transpose(0, 1), wg.v_ring.scale.transpose(0, 1)  # [n, S, R]
+    if wg.k.scale is not None:
+        ks, vs = wg.k.scale.transpose(0, 1), wg.v.scale.transpose(0, 1)  # [n, S, R]
         scales = (ks, vs, ks.stride(1))
     R = k.shape[2]
     return cpu_kernels.DecodeCall(k, v, R, k.stride(1), g, head, cap=R, scales=scales)
 
 
 class KernelCalls:
-    """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head class: `full` (or
-    None without full heads) and one per window group with its (sink, window). Built on
-    the layer's first decode step; a layer whose caches the kernel does not take (fp8,
-    another dtype) gets none and keeps the code below."""
+    """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head group: a paged
+    group's reads the block pool through block tables, a ring group's its rings (with its
+    (sink, window), whose ring entry the new token takes). Built on the layer's first
+    decode step; a layer whose caches the kernel does not take (fp8, another dtype), or
+    with a class that does not allow it (HeadClass.fused_decode), gets none and keeps the
+    code below."""
 
     def __init__(self, layer: HeadSplitAttention, q: torch.Tensor, block_size: int) -> None:
-        caches = ([layer.k_full] if layer.num_full else []) + [wg.k_ring for wg in layer.window_groups]
-        self.ok = all(cpu_kernels.usable(q, c) for c in caches)
+        self.ok = all(grp.head_class.fused_decode and cpu_kernels.usable(q, grp.k) for grp in layer.groups)
         if not self.ok:
             return
         g = layer.group
-        self.full = pool_call(layer.k_full, layer.v_full, block_size, g) if layer.num_full else None
-        self.windows = [(ring_call(wg, g, wg.kv_start), (wg.sink, wg.window)) for wg in layer.window_groups]
+        # Ring groups with their kind (whose ring entry the new token takes).
+        self.paged = [pool_call(grp.k, grp.v, block_size, g, grp.kv_start) for grp in layer.groups if grp.paged]
+        self.rings = [(ring_call(grp, g, grp.kv_start), grp.ring_kind) for grp in layer.groups if not grp.paged]
 
 
 def _kernel_takes(q: torch.Tensor, cache: KVTensor, ctx: StepContext) -> bool:
@@ -107,9 +111,9 @@ def fused_decode(layer: HeadSplitAttention, ctx: StepContext, q: torch.Tensor, k
         return None
     out = torch.empty_like(q)
     lens = ctx.decode_lens_i32
-    if calls.full is not None:  # the new token's key row is its position
-        calls.full(q, out, ctx.decode_block_tables, lens, layer.scale, (k, v, ctx.positions))
-    for call, kind in calls.windows:
+    for call in calls.paged:  # the new token's key row is its position
+        call(q, out, ctx.decode_block_tables, lens, layer.scale, (k, v, ctx.positions))
+    for call, kind in calls.rings:
         call(q, out, ctx.decode_ring_table, lens, layer.scale, (k, v, ctx.decode_ring_index[kind]))
     return out
 
@@ -201,7 +205,7 @@ def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext
 
 
 # ---- window heads: sink + recent ring ------------------------------------------------
-def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | None,
+def window_decode(q, wg: HeadGroup, ctx: StepContext, q_sink: torch.Tensor | None,
                   scale: float) -> torch.Tensor:
     # q: [B, n*g, D]. When most ring slots are busy, attend over every slot of the group
     # in one batched matmul on the ring itself (no copy); otherwise gather the B rings.
@@ -210,8 +214,8 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
     # q_sink: the query for the sink entries under re-based positions (else None).
     slots, lens = ctx.decode_ring_slots, ctx.decode_lens
     B, H, D = q.shape
-    S, n, R, _ = wg.k_ring.shape
-    if q_sink is None and _kernel_takes(q, wg.k_ring, ctx):  # K/V written already
+    S, n, R, _ = wg.k.shape
+    if q_sink is None and _kernel_takes(q, wg.k, ctx):  # K/V written already
         out = torch.empty_like(q)
         ring_call(wg, H // n, 0)(q, out, ctx.decode_ring_table, ctx.decode_lens_i32, scale)
         return out
@@ -221,11 +225,11 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
         out = torch.empty_like(q)
         for i, s in enumerate(ctx.decode_ring_slot_list):
             out[i] = F.scaled_dot_product_attention(
-                q[i].view(1, n, H // n, D), wg.k_ring.load(slice(s, s + 1)), wg.v_ring.load(slice(s, s + 1)),
+                q[i].view(1, n, H // n, D), wg.k.load(slice(s, s + 1)), wg.v.load(slice(s, s + 1)),
                 scale=scale).view(H, D)
         return out
     qs = q_sink
-    if 2 * B >= S and (wg.k_ring.plain or wg.k_ring.quantized):
+    if 2 * B >= S and (wg.k.plain or wg.k.quantized):
         qa = q.new_zeros(S, H, D)
         qa[slots] = q
         if q_sink is not None:
@@ -233,10 +237,10 @@ def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink: torch.Tensor | N
             qs[slots] = q_sink
         la = torch.ones(S, dtype=torch.int64, device=q.device)  # idle slots: one finite (ignored) key
         la[slots] = lens
-        kk, vv, rows = wg.k_ring, wg.v_ring, slots
+        kk, vv, rows = wg.k, wg.v, slots
     else:
         qa, la = q, lens
-        kk, vv, rows = wg.k_ring[slots], wg.v_ring[slots], None
+        kk, vv, rows = wg.k[slots], wg.v[slots], None
     valid = torch.arange(R, device=q.device)[None, :] < torch.clamp(la, max=R)[:, None]  # [S or B, R]
     qv = qa.view(-1, n, H // n, D)
     qsv = None if qs is None else (qs.view(-1, n, H // n, D), wg.sink)  # ring entries [0, sink): sinks
@@ -274,7 +278,7 @@ def scaled_attention(q, k: KVTensor, v: KVTensor, scale: float, valid: torch.Ten
     return torch.matmul(p, vq).to(q.dtype)
 
 
-def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
+def window_prefill(q, k, v, wg: HeadGroup, ctx: StepContext, ch: PrefillChunk,
                    q_sink: torch.Tensor | None, scale: float) -> torch.Tensor:
     # q: [c, n*g, D]; k, v: [c, n, D] -> [c, n*g, D]. The ring still holds what earlier
     # chunks left (this chunk is written after the call).
@@ -284,9 +288,9 @@ def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
     # by their log-sum-exp:
     #   band: positions (p - W, p], read as overlapping strided views (no gather);
     #   sinks: positions s < sink with s <= p - W (the sinks the band has left).
-    c, start, sink, W = ch.length, ch.start, wg.sink, wg.window
-    geo = ch.window[(sink, W)]
-    k_ring, v_ring = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]  # [n, R, D] KVTensors
+    c, start, W = ch.length, ch.start, wg.window
+    geo = ch.window[wg.ring_kind]
+    k_ring, v_ring = wg.k[ch.ring_slot], wg.v[ch.ring_slot]  # [n, R, D] KVTensors
     n, D = k.shape[1], k.shape[2]
     g = q.shape[1] // n
     q0 = geo.causal_rows

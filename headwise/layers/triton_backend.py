@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from headwise.kernels import triton_attention as K
-from headwise.layers.attention import WindowGroup
+from headwise.layers.attention import HeadGroup
 from headwise.layers.context import PrefillChunk, StepContext
 from headwise.layers.kv_tensor import KVTensor
 
@@ -39,14 +39,14 @@ def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext
                            k_scale=k_cache.scale, v_scale=v_cache.scale)
 
 
-def window_decode(q, wg: WindowGroup, ctx: StepContext, q_sink, scale: float) -> torch.Tensor:
-    return K.ring_decode(q, wg.k_ring.data, wg.v_ring.data, ctx.decode_ring_slots, ctx.decode_lens, scale,
-                         k_scale=wg.k_ring.scale, v_scale=wg.v_ring.scale)
+def window_decode(q, wg: HeadGroup, ctx: StepContext, q_sink, scale: float) -> torch.Tensor:
+    return K.ring_decode(q, wg.k.data, wg.v.data, ctx.decode_ring_slots, ctx.decode_lens, scale,
+                         k_scale=wg.k.scale, v_scale=wg.v.scale)
 
 
-def window_prefill(q, k, v, wg: WindowGroup, ctx: StepContext, ch: PrefillChunk,
+def window_prefill(q, k, v, wg: HeadGroup, ctx: StepContext, ch: PrefillChunk,
                    q_sink, scale: float) -> torch.Tensor:
-    geo = ch.window[(wg.sink, wg.window)]
-    kr, vr = wg.k_ring[ch.ring_slot], wg.v_ring[ch.ring_slot]
+    geo = ch.window[wg.ring_kind]
+    kr, vr = wg.k[ch.ring_slot], wg.v[ch.ring_slot]
     return K.window_prefill(q, k, v, kr.data, vr.data, geo.ring_pos, ch.start, wg.sink, wg.window, scale,
                             k_scale=kr.scale, v_scale=vr.scale)

@@ -14,7 +14,7 @@ from headwise.tokenizer import Tokenizer
 from headwise.weights.gguf_file import GGUFFile
 from headwise.weights.gguf_loader import load_gguf, read_config
 from headwise.weights.hf_loader import load_hf_dir, read_hf_config
-from headwise.weights.registry import (DEFAULT_MODEL_NAME, GEMMA3_270M, KNOWN_FILES, KNOWN_MODELS, cache_dir,
+from headwise.weights.registry import (DEFAULT_MODEL_NAME, KNOWN_FILES, KNOWN_MODELS, cache_dir,
                                        default_model_path, known_model_path)
 
 
