@@ -114,15 +114,26 @@ def test_the_cli_shows_engine_log_lines_once(capsys):
 
 
 def test_attention_backends_share_signatures():
-    """One function per (operation, backend), the same signature in both backends."""
+    """Both backends offer the same hooks, and every head class one decode and one prefill
+    per backend, with the same signature in both."""
     import inspect
 
+    from headwise.heads import full, window
     from headwise.layers.backend import attention_backend
 
     pytest.importorskip("triton")
     t, k = attention_backend("torch"), attention_backend("triton")
-    for name in ("full_decode", "full_prefill", "window_decode", "window_prefill"):
-        a, b = inspect.signature(getattr(t, name)), inspect.signature(getattr(k, name))
-        assert list(a.parameters) == list(b.parameters), name
+
+    def params(f):
+        return list(inspect.signature(f).parameters)
+
+    for name in ("decode_kernel", "fused_decode"):
+        assert params(getattr(t, name)) == params(getattr(k, name)), name
+    for name in ("__init__", "decode", "chunk_pages"):
+        assert params(getattr(t.StepMetadata, name)) == params(getattr(k.StepMetadata, name)), name
+    for module in (full, window):
+        assert set(module._IMPLS) == {t.NAME, k.NAME}
+        (td, tp), (kd, kp) = module._IMPLS[t.NAME], module._IMPLS[k.NAME]
+        assert params(td) == params(kd) and params(tp) == params(kp), module.__name__
     with pytest.raises(ValueError, match="unknown attention backend"):
         attention_backend("cuda")

@@ -155,18 +155,18 @@ def test_engine_tokens_equal_without_the_kernel(compiled, tiny_models, monkeypat
 
     def counted(self, q, out, table, lens, scale, new=None):
         calls.append(1)
-        mixed.append(new is None)  # called from full_decode / window_decode: a mixed step
+        mixed.append(new is None)  # called from a class's torch_decode: a mixed step
         return real(self, q, out, table, lens, scale, new)
 
     monkeypatch.setattr(cpu_kernels.DecodeCall, "__call__", counted)
     with_kernel = LLM(path, **opts)
-    assert with_kernel.engine.runner.decode_tables
+    assert with_kernel.engine.runner.metadata.kernel
     fast = with_kernel.generate(PROMPTS, params, use_tqdm=False)
     assert calls, "decode did not go through the kernel"
     assert any(mixed) == (budget < 100)
     monkeypatch.setattr(cpu_kernels, "library", lambda: None)
     without = LLM(path, **opts)
-    assert not without.engine.runner.decode_tables
+    assert not without.engine.runner.metadata.kernel
     calls.clear()
     slow = without.generate(PROMPTS, params, use_tqdm=False)
     assert not calls
@@ -185,7 +185,7 @@ def test_float16_caches_keep_the_general_path(compiled, tiny_models, monkeypatch
     llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
               block_size=4, kv_cache_dtype="float16", enforce_eager=True)
     runner = llm.engine.runner
-    assert not runner.decode_tables and not runner.full_by_kernel
+    assert not runner.metadata.kernel and not runner.metadata.paged_by_kernel
     out = llm.generate(PROMPTS[:1], SamplingParams(max_tokens=4, temperature=0.0), use_tqdm=False)[0]
     assert len(out.token_ids) == 4
     assert not calls
@@ -272,9 +272,9 @@ def test_one_class_through_the_kernel_the_other_not(compiled, tiny_models, kv_dt
     opts = dict(kv_cache_memory=1 << 24, dtype="float32", block_size=4, enforce_eager=True)
     llm = LLM(path, head_layout=lay, **opts)
     runner = llm.engine.runner
-    assert runner.decode_tables and runner.full_by_kernel == (kv_dtype["full"] == "int8")
+    assert runner.metadata.kernel and runner.metadata.paged_by_kernel == (kv_dtype["full"] == "int8")
     params = SamplingParams(max_tokens=16, temperature=0.0)
     got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     ref = LLM(path, head_layout=lay, **opts)
-    ref.engine.runner.decode_tables = ref.engine.runner.full_by_kernel = False  # no kernel metadata: PyTorch's code
+    ref.engine.runner.metadata.kernel = ref.engine.runner.metadata.paged_by_kernel = False  # PyTorch's code
     assert got == [o.token_ids for o in ref.generate(PROMPTS, params, use_tqdm=False)]

@@ -19,7 +19,7 @@ from headwise import LLM, SamplingParams
 from headwise.heads.layout import HeadLayout, HeadSpec
 from headwise.engine import cuda_graphs
 from headwise.kernels import pointwise
-from headwise.layers.context import PrefillChunk, StepContext, get_context, step_context
+from headwise.layers.context import PagedDecode, PrefillChunk, StepContext, get_context, step_context
 from tests.conftest import make_tiny_model
 from tests.test_gemma3 import TINY as GEMMA
 
@@ -152,7 +152,7 @@ def test_padding_rows_are_the_spare_sequence():
         ctx = get_context()
         seen.append((ids.clone(), pos.clone(), ctx.full_slots.clone(), ctx.decode_lens.clone(),
                      ctx.decode_ring_slots.clone(), ctx.decode_ring_index[(2, 8)].clone(),
-                     ctx.decode_block_tables[:, 0].clone()))
+                     ctx.decode.block_tables[:, 0].clone()))
         return ids.float()[:, None]
 
     shape = cuda_graphs.GraphShape(max_batch=4, max_blocks=3, block_size=4, ring_kinds=kinds, has_full_heads=True,
@@ -164,7 +164,7 @@ def test_padding_rows_are_the_spare_sequence():
         lens = torch.arange(B) + 6
         ctx = StepContext(positions=lens - 1, full_slots=torch.arange(B) * 4 + 1, block_size=4, num_decode=B,
                           decode_lens=lens, decode_ring_slots=torch.arange(B),
-                          decode_block_tables=torch.arange(2 * B, dtype=torch.int32).view(B, 2),
+                          decode=PagedDecode(torch.arange(2 * B, dtype=torch.int32).view(B, 2)),
                           decode_ring_index={(2, 8): torch.arange(B) + 3})
         seen.clear()
         out = g.replay(ctx, torch.arange(B) + 100)
@@ -181,16 +181,16 @@ def test_steps_that_replay(tiny_models, replay_capturer):
     g = _engine(str(tiny_models["llama"]), _mixed(), None).engine.runner.graphs
     pos = torch.zeros(3, dtype=torch.int64)
     decode = StepContext(positions=pos, full_slots=pos, num_decode=3,
-                         decode_block_tables=torch.zeros(3, 5, dtype=torch.int32))
+                         decode=PagedDecode(torch.zeros(3, 5, dtype=torch.int32)))
     assert g.applies(decode) and g.bucket(3) == 4
-    chunk = PrefillChunk(3, 0, 4, pos, 0)
+    chunk = PrefillChunk(3, 0, 4, 0)
     assert not g.applies(StepContext(positions=pos, full_slots=pos, num_decode=3, prefills=[chunk],
-                                     decode_block_tables=decode.decode_block_tables))
+                                     decode=decode.decode))
     assert not g.applies(StepContext(positions=pos, full_slots=pos, num_decode=6,
-                                     decode_block_tables=torch.zeros(6, 5, dtype=torch.int32)))
+                                     decode=PagedDecode(torch.zeros(6, 5, dtype=torch.int32))))
     wide = g.tables.shape[1] + 1  # wider than any sequence of max_model_len
     assert not g.applies(StepContext(positions=pos, full_slots=pos, num_decode=1,
-                                     decode_block_tables=torch.zeros(1, wide, dtype=torch.int32)))
+                                     decode=PagedDecode(torch.zeros(1, wide, dtype=torch.int32))))
 
 
 def test_policy(tiny_models, replay_capturer):

@@ -6,7 +6,6 @@ from __future__ import annotations
 import logging
 
 import pytest
-import torch
 
 from headwise import LLM, SamplingParams
 from headwise.heads.layout import HeadLayout, HeadSpec

@@ -45,8 +45,8 @@ class SinkHeads(base.HeadClass):
             at = (ctx.decode_ring_slots, slice(None), ctx.decode_ring_index[kind])
             group.k.put(at, *take(kst, lambda t: t[:B]))
             group.v.put(at, *take(vst, lambda t: t[:B]))
-            for i in range(B):  # entries [0, min(p, sink)) and the token itself
-                p, slot = int(ctx.positions[i]), ctx.decode_ring_slot_list[i]
+            for i, (p, slot) in enumerate(zip(ctx.positions[:B].tolist(), ctx.decode_ring_slots.tolist())):
+                # entries [0, min(p, sink)) and the token itself
                 m = min(p + 1, sink + 1)
                 kk = group.k.load((slot, slice(None), slice(0, m)))  # [n, m, D]
                 vv = group.v.load((slot, slice(None), slice(0, m)))

@@ -267,7 +267,6 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
     query blocks of size 4, earlier context read from the ring) against a dense masked
     softmax over every position. int8: the ring holds quantized K/V, and the reference
     attends over the same quantized-then-dequantized K/V."""
-    from headwise.layers import torch_attention
     from headwise.heads import window as window_class
     from headwise.layers.attention import HeadGroup
     from headwise.layers.context import PrefillChunk, StepContext
@@ -297,14 +296,14 @@ def test_window_prefill_matches_dense_mask(sink, window, start, c, rebased, kv_d
         r = int(ring_index(torch.tensor(p), sink, window))
         k_ring.put((1, slice(None), r), *take(kst, lambda t: t[p]))
         v_ring.put((1, slice(None), r), *take(vst, lambda t: t[p]))
-    ch = PrefillChunk(0, start, c, torch.zeros(0), 1)
+    ch = PrefillChunk(0, start, c, 1)
     ch.window[wg.ring_kind] = geo = window_chunk(start, c, sink, window, g, q.dtype, "cpu",
                                                    for_kernels=False, block=4)
     # no band masks when every row is in the causal prefix
     assert (geo.masks is None) == (start == 0 and c <= sink + window)
     ctx = StepContext(positions=torch.arange(start, T), full_slots=torch.zeros(c, dtype=torch.int64))
     qs = None if q_sink is None else q_sink[start:]
-    got = torch_attention.window_prefill(q[start:], k[start:], v[start:], wg, ctx, ch, qs, D ** -0.5)
+    got = window_class.torch_prefill(q[start:], k[start:], v[start:], wg, ctx, ch, qs, D ** -0.5)
 
     i = torch.arange(start, T)[:, None]
     j = torch.arange(T)[None, :]
@@ -341,7 +340,7 @@ def test_split_decode_attention_equals_one_pass(n, g, runs):
     cache in one pass, in float32 and in bfloat16."""
     import torch.nn.functional as F
 
-    from headwise.layers.torch_attention import split_attention
+    from headwise.heads.full import split_attention
 
     gen = torch.Generator().manual_seed(sum(runs))
     L = sum(runs)

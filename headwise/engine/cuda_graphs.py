@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 
 from headwise.engine.decode_capture import warn_eager
-from headwise.layers.context import RingKind, StepContext, step_context
+from headwise.layers.context import PagedDecode, RingKind, StepContext, step_context
 
 log = logging.getLogger("headwise.cuda_graphs")
 
@@ -134,13 +134,13 @@ class CudaGraphDecode:
         """Whether a step replays a graph: decode rows only, within the largest bucket,
         block tables within the captured width."""
         return (self.enabled and not ctx.prefills and 0 < ctx.num_decode <= self.sizes[-1]
-                and (self.tables is None or ctx.decode_block_tables.shape[1] <= self.tables.shape[1]))
+                and (self.tables is None or ctx.decode.block_tables.shape[1] <= self.tables.shape[1]))
 
     def _context(self, n: int) -> StepContext:
         """The context the graph of bucket n is captured under: views of the buffers."""
         return StepContext(positions=self.positions[:n], full_slots=self.slots[:n], block_size=self.block_size,
                            num_decode=n, decode_lens=self.lens[:n], decode_ring_slots=self.ring_slots[:n],
-                           decode_block_tables=None if self.tables is None else self.tables[:n],
+                           decode=PagedDecode(None if self.tables is None else self.tables[:n]),
                            decode_ring_index={kind: t[:n] for kind, t in self.ring_index.items()})
 
     def _pad(self, a: int, b: int) -> None:
@@ -185,8 +185,8 @@ class CudaGraphDecode:
         for kind, t in self.ring_index.items():
             t[:B].copy_(ctx.decode_ring_index[kind])
         if self.tables is not None:  # columns past a row's length are never read
-            w = ctx.decode_block_tables.shape[1]
-            self.tables[:B, :w].copy_(ctx.decode_block_tables)
+            w = ctx.decode.block_tables.shape[1]
+            self.tables[:B, :w].copy_(ctx.decode.block_tables)
         self._pad(B, n)
         replay, hidden = self.graphs[n]
         replay()

@@ -27,11 +27,8 @@ class ModelRunner:
         self.dtype = dtype
         self.device = torch.device(device)
         self.backend = attention_backend(backend)
-        # Which head classes decode through the torch backend's C kernel on the CPU: it
-        # reads block tables and int32 lengths, and full heads it takes need no slot runs.
-        geo = cache.geometry
-        self.full_by_kernel = self.backend.decode_kernel(self.device, geo.full, dtype)
-        self.decode_tables = self.full_by_kernel or self.backend.decode_kernel(self.device, geo.window, dtype)
+        # What the backend reads of the paged heads, built per step by the backend itself.
+        self.metadata = self.backend.StepMetadata(cache, self.device, dtype)
         self.group_size = model.config.group_size
         self.rebased = window_positions == "rebased"
         # Each ring class with its parameters, and the class that builds its metadata.
@@ -105,8 +102,7 @@ class ModelRunner:
         # batched together; prefill chunks follow, each attended on its own.
         decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
         prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
-        cache, dev, paged = self.cache, self.device, self.backend.PAGED
-        tables = paged and cache.has_full_heads
+        cache, dev, meta = self.cache, self.device, self.metadata
         ids, pos, slots, chunks = [], [], [], []
         sampling_rows, sampling_seqs = [], []
         offset = 0
@@ -114,20 +110,12 @@ class ModelRunner:
             start, sid = seq.num_computed_tokens, seq.seq_id
             ids.extend(seq.token_ids(start, start + n))
             pos.extend(range(start, start + n))
-            is_prefill = i >= len(decodes)
-            # With the torch backend, prefill chunks after the first gather every earlier
-            # slot; the Triton kernel reads pages through the block table instead.
-            lo = 0 if (is_prefill and start > 0 and not tables) else start
-            seq_slots = cache.slot_mapping(sid, lo, start + n)
-            slots.extend(seq_slots[start - lo:])
-            if is_prefill:
-                table = (torch.tensor(cache.block_table(sid), dtype=torch.int32, device=dev)
-                         if tables else None)
-                ch = PrefillChunk(offset, start, n, torch.tensor(seq_slots, dtype=torch.int64, device=dev),
-                                  cache.ring_slot(sid), table)
+            slots.extend(cache.slot_mapping(sid, start, start + n))
+            if i >= len(decodes):
+                ch = PrefillChunk(offset, start, n, cache.ring_slot(sid), meta.chunk_pages(sid, start, n))
                 for kind, cls in self.ring_kinds:
                     ch.window[kind] = cls.prefill_geometry(start, n, kind.sink, kind.window, self.group_size,
-                                                           self.dtype, dev, for_kernels=paged)
+                                                           self.dtype, dev, for_kernels=self.backend.PAGED)
                 for point, slot in cache.chunk_snapshots(sid):
                     ch.snapshots.append((slot, {kind: cls.ring_writes(start, point - start, kind.sink, kind.window, dev)
                                                 for kind, cls in self.ring_kinds}))
@@ -141,23 +129,14 @@ class ModelRunner:
                           block_size=cache.block_size, num_decode=len(decodes), prefills=chunks)
         if decodes:
             B = len(decodes)
+            seq_ids = [s.seq_id for s, _ in decodes]
             lens = [s.num_computed_tokens + 1 for s, _ in decodes]
-            ring_slots = [cache.ring_slot(s.seq_id) for s, _ in decodes]
+            ring_slots = [cache.ring_slot(s) for s in seq_ids]
             ctx.decode_lens = torch.tensor(lens, device=dev)
             ctx.decode_ring_slots = torch.tensor(ring_slots, device=dev)
-            ctx.decode_min_len, ctx.decode_ring_slot_list = min(lens), ring_slots
             for kind, cls in self.ring_kinds:
                 ctx.decode_ring_index[kind] = cls.ring_index(positions[:B], kind.sink, kind.window)
-            if cache.has_full_heads and (tables or self.full_by_kernel):
-                rows = [cache.block_table(s.seq_id) for s, _ in decodes]
-                width = max(map(len, rows))
-                ctx.decode_block_tables = torch.tensor([r + [0] * (width - len(r)) for r in rows],
-                                                       dtype=torch.int32, device=dev)
-            elif cache.has_full_heads:
-                ctx.decode_runs = [cache.slot_runs(s.seq_id, s.num_computed_tokens + 1) for s, _ in decodes]
-            if self.decode_tables:
-                ctx.decode_lens_i32 = torch.tensor(lens, dtype=torch.int32, device=dev)
-                ctx.decode_ring_table = torch.tensor(ring_slots, dtype=torch.int32, device=dev)[:, None]
+            ctx.decode = meta.decode(seq_ids, lens, ring_slots)
         if self.rebased:
             rotary = self.model.model.rotary
             tables = {kind: cls.rebased_tables(rotary, positions, kind.sink, kind.window)

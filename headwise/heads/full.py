@@ -1,11 +1,21 @@
 """The `full` class: heads that keep every token, in the paged block pool, and attend all
-of them (exact causal attention)."""
+of them (exact causal attention). Its attention for each backend is here too."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from headwise.heads.base import PAGED, HeadClass, register
-from headwise.layers.kv_tensor import take
+from headwise.layers.context import PrefillChunk, StepContext
+from headwise.layers.kv_tensor import KVTensor, take
+from headwise.layers.torch_attention import kernel_takes, pool_call, scaled_attention
+
+# Decode over a run of at least SPLIT_MIN_LEN cached tokens is split into SPLIT_PARTS
+# pieces per thread; a sequence over more than MAX_RUNS runs of slots is gathered first
+# (split_attention).
+SPLIT_MIN_LEN = 2048
+SPLIT_PARTS = 2
+MAX_RUNS = 32
 
 
 class FullHeads(HeadClass):
@@ -16,7 +26,8 @@ class FullHeads(HeadClass):
     def attend(self, layer, group, ctx, q, kst, vst, out) -> None:
         # kst, vst: stored forms of the step's K/V [T, n, D] (+ scales [T, n]); written
         # as they are, attended as reads will return them.
-        kc, vc, be = group.k, group.v, layer.backend
+        kc, vc = group.k, group.v
+        decode, prefill = _IMPLS[layer.backend.NAME]
         if group.kv is not None:  # K and V in one write: [2, n, T, D]
             group.kv[:, :, ctx.full_slots] = torch.stack((kst[0], vst[0])).transpose(1, 2)
         else:
@@ -25,12 +36,117 @@ class FullHeads(HeadClass):
             vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
         B = ctx.num_decode
         if B:
-            out[:B] = be.full_decode(q[:B], kc, vc, ctx, layer.scale)
+            out[:B] = decode(q[:B], kc, vc, ctx, layer.scale)
         if ctx.prefills:  # decode reads its own token back from the pool
             k, v = kc.decode(*kst), vc.decode(*vst)
         for ch in ctx.prefills:
             s = ch.rows
-            out[s] = be.full_prefill(q[s], k[s], v[s], kc, vc, ctx, ch, layer.scale)
+            out[s] = prefill(q[s], k[s], v[s], kc, vc, ctx, ch, layer.scale)
 
 
+# ---- the torch backend --------------------------------------------------------------
+def torch_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
+    # q: [B, nf*g, D]; k_cache, v_cache: [nf, slots, D]. A sequence attends over views of
+    # the pool, one per run of consecutive slots (no copy), merged by log-sum-exp
+    # (split_attention); only a sequence scattered over more than MAX_RUNS runs is
+    # concatenated first. Its g query heads per KV head are the query rows of one fused
+    # SDPA call (in bfloat16 ~3x faster on CPU than matmul + softmax + matmul). A
+    # quantized pool is attended in its stored form (scaled_attention, float32).
+    B, H, D = q.shape
+    nf = k_cache.shape[0]
+    out = torch.empty_like(q)
+    if kernel_takes(q, k_cache, ctx):  # a step with prefill chunks too: K/V written already
+        pool_call(k_cache, v_cache, ctx.block_size, H // nf)(q, out, ctx.decode.block_tables,
+                                                             ctx.decode.lens_i32, scale)
+        return out
+    for i in range(B):
+        r = ctx.decode.runs[i]
+        qi = q[i].view(nf, H // nf, D)
+        if k_cache.quantized:
+            o = scaled_attention(qi, _gather(k_cache, r), _gather(v_cache, r), scale)
+        elif len(r) > MAX_RUNS:
+            o = split_attention(qi, [(_gather(k_cache, r).load(), _gather(v_cache, r).load())], scale)
+        else:
+            o = split_attention(qi, [(k_cache[:, a:a + n].load(), v_cache[:, a:a + n].load()) for a, n in r],
+                                scale)  # views [nf, n, D] of the pool
+        out[i] = o.view(H, D)
+    return out
+
+
+def _gather(cache: KVTensor, runs: list[tuple[int, int]]) -> KVTensor:
+    """[nf, L, D] of a sequence's runs of slots: a view for one run, else a copy."""
+    if len(runs) == 1:
+        (a, n), = runs
+        return cache[:, a:a + n]
+    return KVTensor.cat([cache[:, a:a + n] for a, n in runs], 1)
+
+
+def split_attention(q: torch.Tensor, runs: list[tuple[torch.Tensor, torch.Tensor]],
+                    scale: float) -> torch.Tensor:
+    """One sequence's decode attention, q [n, g, D] over the concatenation of the runs'
+    k, v [n, L_i, D] -> [n, g, D], without concatenating them.
+
+    Each run is attended on its own and the results merged by their log-sum-exp, as
+    flash-decoding does on GPUs. PyTorch's CPU flash kernel parallelises over (batch,
+    head, query block), so a decode call with one KV head (Gemma 3 has one per layer) is
+    one task on one core; a long run is therefore also cut into SPLIT_PARTS * threads
+    pieces attended as a batch (strided views)."""
+    if len(runs) == 1 and runs[0][0].shape[1] < SPLIT_MIN_LEN:
+        k, v = runs[0]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], scale=scale)[0]
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    outs, lses = [], []
+    parts = SPLIT_PARTS * torch.get_num_threads()
+    for k, v in runs:
+        n, L, D = k.shape
+        c = L // parts if L >= SPLIT_MIN_LEN and parts > 1 and k.stride(-2) == D else 0
+        if c:  # [n, L, D] -> [parts, n, c, D] views of the first parts * c rows
+            kp, vp = (x[:, :parts * c].unflatten(1, (parts, c)).transpose(0, 1) for x in (k, v))
+            o, lse = flash(q[None].expand(parts, *q.shape), kp, vp, 0.0, False, scale=scale)[:2]
+            outs.append(o), lses.append(lse)
+            k, v = k[:, parts * c:], v[:, parts * c:]
+        if k.shape[1]:
+            o, lse = flash(q[None], k[None], v[None], 0.0, False, scale=scale)[:2]  # [1, n, g, D], [1, n, g]
+            outs.append(o), lses.append(lse)
+    w = torch.softmax(torch.cat(lses), dim=0).unsqueeze(-1)  # [pieces, n, g, 1]: each piece's share
+    return (torch.cat(outs).float() * w).sum(0).to(q.dtype)
+
+
+def torch_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
+                 scale: float) -> torch.Tensor:
+    # q: [c, nf*g, D]; k, v: [c, nf, D], the chunk's own keys (already in the pool too).
+    qq = q.transpose(0, 1).unsqueeze(0)  # [1, Hq, c, D]
+    if ch.start == 0:
+        kk = k.transpose(0, 1).unsqueeze(0)  # [1, nf, c, D]
+        vv = v.transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        at = (slice(None), ch.pages)  # slots of positions [0, start + length)
+        kk = k_cache.load(at).unsqueeze(0)  # [1, nf, start + c, D]
+        vv = v_cache.load(at).unsqueeze(0)
+        qpos = torch.arange(ch.start, ch.start + ch.length, device=q.device)
+        mask = torch.arange(ch.start + ch.length, device=q.device)[None, :] <= qpos[:, None]
+        o = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=scale, enable_gqa=True)
+    return o[0].transpose(0, 1)
+
+
+# ---- the Triton backend: pages read in place through block tables ----------------------
+# (headwise.kernels.triton_attention is imported on first use: Triton reads
+# TRITON_INTERPRET when its kernels are defined.)
+def triton_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
+    from headwise.kernels import triton_attention as K
+
+    return K.paged_decode(q, k_cache.data, v_cache.data, ctx.decode.block_tables, ctx.decode_lens,
+                          ctx.block_size, scale, k_scale=k_cache.scale, v_scale=v_cache.scale)
+
+
+def triton_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
+                   scale: float) -> torch.Tensor:
+    from headwise.kernels import triton_attention as K
+
+    return K.paged_prefill(q, k_cache.data, v_cache.data, ch.pages, ch.start, ctx.block_size, scale,
+                           k_scale=k_cache.scale, v_scale=v_cache.scale)
+
+
+_IMPLS = {"torch": (torch_decode, torch_prefill), "triton": (triton_decode, triton_prefill)}
 FULL = register(FullHeads())

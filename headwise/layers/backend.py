@@ -1,5 +1,6 @@
-"""Attention backends: a module of four functions each (see layers.torch_attention for the
-signatures), chosen once when the engine is built."""
+"""Attention backends, chosen once when the engine is built: a module with its NAME (the
+key each head class picks its attention functions by), PAGED, and the hooks
+decode_kernel and fused_decode (see layers.torch_attention)."""
 from __future__ import annotations
 
 from types import ModuleType

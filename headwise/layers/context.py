@@ -2,17 +2,20 @@
 
 Token order in a step: the decode tokens of all decoding sequences first, then each
 prefill chunk in turn. Everything here is plain data built once per step, never per
-layer: slot ids, block tables, ring slots, and the window heads' geometry.
+layer. StepContext holds what every backend reads (positions, slots, ring slots, the ring
+classes' metadata); what one backend reads of the paged heads (block tables, slot runs,
+int32 forms for the C kernel) it builds itself from the cache manager's plain data
+(the backend's StepMetadata) into `decode` and each chunk's `pages`.
 """
 from __future__ import annotations
 
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
-from headwise.layers.window_geometry import WindowChunk
 
 RingKind = tuple[str, int, int]  # (class, sink, window): heads.base.RingKind
 
@@ -22,11 +25,13 @@ class PrefillChunk:
     offset: int            # index of the chunk's first token in the flat batch
     start: int             # position of the chunk's first token in its sequence
     length: int            # number of tokens in the chunk
-    slots: torch.Tensor    # full-pool slots of positions [0, start + length) if start > 0
-                           # (torch backend), else of the chunk only
-    ring_slot: int         # the sequence's slot in the window-head ring pool
-    block_table: torch.Tensor | None = None  # [num_blocks] int32 (Triton backend only)
-    window: dict[RingKind, WindowChunk] = field(default_factory=dict)  # per ring kind
+    ring_slot: int         # the sequence's slot in the ring pool
+    # What the backend reads of the sequence's paged heads (its StepMetadata.chunk_pages:
+    # torch: flat slots of positions [0, start + length) when start > 0; Triton: the
+    # block table [num_blocks] int32)
+    pages: torch.Tensor | None = None
+    window: dict[RingKind, Any] = field(default_factory=dict)  # per ring kind: its class's
+                                                              # prefill_geometry
     # Window state at snapshot points inside the chunk: per point, the scratch ring slot
     # that holds the ring as of the chunk's start, and per (sink, window) the chunk rows
     # [r] (relative to the chunk) that the ring holds at the point and their ring entries [r]
@@ -38,22 +43,28 @@ class PrefillChunk:
 
 
 @dataclass
+class PagedDecode:
+    """A backend's metadata of a step's decode rows for the paged heads (StepContext.decode).
+    Backends that read pages through block tables use it as is; others extend it."""
+    block_tables: torch.Tensor | None = None         # [B, max_blocks] int32
+
+
+def block_tables(rows: list[list[int]], device) -> torch.Tensor:
+    """[B, max_blocks] int32 block tables, each row padded with block 0."""
+    width = max(map(len, rows))
+    return torch.tensor([r + [0] * (width - len(r)) for r in rows], dtype=torch.int32, device=device)
+
+
+@dataclass
 class StepContext:
     positions: torch.Tensor                 # [T] int64
-    full_slots: torch.Tensor                # [T] int64 flat slot (block * block_size + offset)
-    block_size: int = 16                    # tokens per full-pool block
+    full_slots: torch.Tensor                # [T] int64 paged-pool slot (block * block_size + offset)
+    block_size: int = 16                    # tokens per block of the paged pool
     num_decode: int = 0
-    decode_runs: list[list[tuple[int, int]]] | None = None  # per sequence: (first slot, length)
     decode_lens: torch.Tensor | None = None          # [B] tokens incl. the new one
     decode_ring_slots: torch.Tensor | None = None    # [B] int64
-    # The same on the host, so per-layer choices need no device read back
-    decode_min_len: int = 0                          # min(decode_lens)
-    decode_ring_slot_list: list[int] = field(default_factory=list)  # decode_ring_slots
-    decode_block_tables: torch.Tensor | None = None  # [B, max_blocks] int32 (Triton backend,
-                                                     # and the torch backend's C kernel)
-    decode_lens_i32: torch.Tensor | None = None      # [B] int32 decode_lens (C kernel)
-    decode_ring_table: torch.Tensor | None = None    # [B, 1] int32 ring slots (C kernel)
     decode_ring_index: dict[RingKind, torch.Tensor] = field(default_factory=dict)  # [B] ring entry
+    decode: PagedDecode | None = None  # the backend's own metadata of the decode rows
     # Re-based (StreamingLLM) positions only: per ring kind, rotary tables (cos, sin)
     # [T, 1, D/2] turning each query back for the sink keys (HeadClass.rebased_tables).
     sink_rope: dict[RingKind, tuple[torch.Tensor, torch.Tensor]] | None = None

@@ -1,20 +1,19 @@
-"""The Triton attention backend: the kernels of headwise.kernels.triton_attention behind
-the torch backend's signatures (see headwise.layers.torch_attention). Pages are read in
-place through block tables; window heads read their ring with the position each entry
-holds. Import only when this backend is chosen: Triton reads TRITON_INTERPRET when the
-kernels are defined.
+"""The Triton attention backend's hooks (see headwise.layers.torch_attention); each head
+class's module calls the kernels of headwise.kernels.triton_attention for its heads.
+Pages are read in place through block tables; ring heads read their ring with the
+position each entry holds. Import only when this backend is chosen: Triton reads
+TRITON_INTERPRET when the kernels are defined.
 """
 from __future__ import annotations
 
 import torch
 
-from headwise.kernels import triton_attention as K
-from headwise.layers.attention import HeadGroup
-from headwise.layers.context import PrefillChunk, StepContext
-from headwise.layers.kv_tensor import KVTensor
+# Defines the kernels now, when the backend is chosen (a missing Triton fails here).
+from headwise.kernels import triton_attention  # noqa: F401
+from headwise.layers.context import PagedDecode, StepContext, block_tables
 
 NAME = "triton"
-# Full heads read pages through block tables; window heads read ring positions.
+# Paged heads read pages through block tables; ring heads read ring positions.
 PAGED = True
 
 
@@ -28,25 +27,19 @@ def fused_decode(layer, ctx: StepContext, q, k, v) -> None:
     return None
 
 
-def full_decode(q, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, scale: float) -> torch.Tensor:
-    return K.paged_decode(q, k_cache.data, v_cache.data, ctx.decode_block_tables, ctx.decode_lens,
-                          ctx.block_size, scale, k_scale=k_cache.scale, v_scale=v_cache.scale)
+class StepMetadata:
+    """Builds this backend's part of a step: block tables, for decode rows and chunks."""
 
+    def __init__(self, cache, device: torch.device, compute: torch.dtype) -> None:
+        self.cache, self.device = cache, device
 
-def full_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepContext, ch: PrefillChunk,
-                 scale: float) -> torch.Tensor:
-    return K.paged_prefill(q, k_cache.data, v_cache.data, ch.block_table, ch.start, ctx.block_size, scale,
-                           k_scale=k_cache.scale, v_scale=v_cache.scale)
+    def decode(self, seq_ids: list[int], lens: list[int], ring_slots: list[int]) -> PagedDecode:
+        meta = PagedDecode()
+        if self.cache.has_full_heads:
+            meta.block_tables = block_tables([self.cache.block_table(s) for s in seq_ids], self.device)
+        return meta
 
-
-def window_decode(q, wg: HeadGroup, ctx: StepContext, q_sink, scale: float) -> torch.Tensor:
-    return K.ring_decode(q, wg.k.data, wg.v.data, ctx.decode_ring_slots, ctx.decode_lens, scale,
-                         k_scale=wg.k.scale, v_scale=wg.v.scale)
-
-
-def window_prefill(q, k, v, wg: HeadGroup, ctx: StepContext, ch: PrefillChunk,
-                   q_sink, scale: float) -> torch.Tensor:
-    geo = ch.window[wg.ring_kind]
-    kr, vr = wg.k[ch.ring_slot], wg.v[ch.ring_slot]
-    return K.window_prefill(q, k, v, kr.data, vr.data, geo.ring_pos, ch.start, wg.sink, wg.window, scale,
-                            k_scale=kr.scale, v_scale=vr.scale)
+    def chunk_pages(self, seq_id: int, start: int, length: int) -> torch.Tensor | None:
+        if not self.cache.has_full_heads:
+            return None
+        return torch.tensor(self.cache.block_table(seq_id), dtype=torch.int32, device=self.device)

@@ -53,7 +53,7 @@ class BandMasks(NamedTuple):
 def band_masks(start: int, length: int, sink: int, W: int, g: int, dtype, device,
                block: int = WINDOW_QUERY_BLOCK) -> BandMasks | None:
     """The block geometry and additive masks of a chunk's band rows (see the torch
-    backend's window_prefill); None when every row is in the causal prefix. Band mask rows are
+    backend's window prefill, heads/window.py); None when every row is in the causal prefix. Band mask rows are
     (query head, query) pairs of one KV head; sink mask rows are queries."""
     q0 = causal_rows(start, length, sink, W)
     c, start = length - q0, start + q0
