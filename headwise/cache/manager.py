@@ -234,9 +234,11 @@ class KVCacheManager:
         if snap is not None:
             snap.anchor = True  # it serves a hit: no longer speculative
             pool.touch(snap.pages)
-        loaded = self._tier_link.load(hit) if hit.from_disk else []
-        if hit.from_disk and snap is None and hit.snapshot is not None:
-            snap = self.index.snapshots.get(hit.snapshot)  # read from disk, held: taken by load
+        if hit.from_disk:  # into new pages, registered as cached again
+            loaded, from_disk = self._tier_link.load(hit)
+            snap = snap or from_disk
+        else:
+            loaded = []
         self.full.allocate(seq_id, num_tokens, hit.blocks + loaded)
         self.ring.allocate(seq_id, num_tokens)
         if snap is not None:

@@ -12,7 +12,7 @@ from enum import Enum
 from headwise.cache.block_pool import BlockPool, PageKind
 from headwise.cache.disk_tier import DiskTier, TierEntry
 from headwise.cache.ops import CopyQueue, PageIn, PageOut, PrefixHit
-from headwise.cache.prefix_cache import PrefixIndex
+from headwise.cache.prefix_cache import PrefixIndex, Snapshot
 
 
 class Fetch(Enum):
@@ -66,11 +66,11 @@ class TierLink:
         return Fetch.READY
 
     # ---- admission --------------------------------------------------------------------
-    def load(self, hit: PrefixHit) -> list[int]:
+    def load(self, hit: PrefixHit) -> tuple[list[int], Snapshot | None]:
         """Take pages for the entries hit.from_disk holds, queue the copies into them and
-        register them as cached again; returns the full blocks loaded (the snapshot, if
-        one came, is in the index under hit.snapshot, held)."""
-        loaded = []
+        register them as cached again; returns the full blocks loaded and the snapshot
+        read (the index's entry, its pages held), or None."""
+        loaded, snap = [], None
         for entry, data in hit.from_disk:
             block = entry.kind == PageKind.BLOCK
             pages = self.pool.take(1) if block else self.pool.take(self.snapshot_pages, high=True)
@@ -80,11 +80,12 @@ class TierLink:
                 self.index.add_block(entry.key, pages[0], entry.parent, entry.tokens)
             else:
                 self.index.add_snapshot(entry.key, pages, True, entry.parent, entry.tokens)
+                snap = self.index.snapshots[entry.key]
             self.tier.release(entry.kind, entry.key)
         if hit.from_disk:  # tokens it would have recomputed, served from disk
             in_memory = len(hit.blocks) * self.block_size if self.has_full_heads else 0
             self.tier.count_hit(hit.num_tokens - in_memory)
-        return loaded
+        return loaded, snap
 
     # ---- eviction ---------------------------------------------------------------------
     def offload(self, kind: PageKind, key: int, pages: list[int], parent: int, tokens: list[int]) -> None:

@@ -57,7 +57,7 @@ class HeadGroup:
 
     @property
     def paged(self) -> bool:
-        return len(self.k.shape) == 3  # [n, slots, D]; a ring view has a slot dim more
+        return self.head_class.storage == "paged"  # heads.base.PAGED
 
     @property
     def ring_kind(self) -> tuple[str, int, int]:

@@ -33,7 +33,7 @@ class PrefillChunk:
     window: dict[RingKind, Any] = field(default_factory=dict)  # per ring kind: its class's
                                                               # prefill_geometry
     # Window state at snapshot points inside the chunk: per point, the scratch ring slot
-    # that holds the ring as of the chunk's start, and per (sink, window) the chunk rows
+    # that holds the ring as of the chunk's start, and per ring kind the chunk rows
     # [r] (relative to the chunk) that the ring holds at the point and their ring entries [r]
     snapshots: list[tuple[int, dict[RingKind, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
 

@@ -50,8 +50,9 @@ class AsyncEngine(EngineClient):
         self._thread.start()
 
     # ---- called from the event loop -----------------------------------------------
-    def num_waiting(self) -> int:
-        return self.engine.stats().num_waiting + self._pending_adds
+    def num_waiting(self, stats=None) -> int:
+        """Requests queued in the engine and on their way to it (stats: the engine's, if read)."""
+        return (stats or self.engine.stats()).num_waiting + self._pending_adds
 
     async def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str) -> _Handle:
         """Queue a validated request; raises QueueFullError when the waiting queue is full."""
@@ -196,4 +197,4 @@ class AsyncEngine(EngineClient):
 
     def _publish_state(self) -> None:
         stats = self.engine.stats()
-        self.metrics.update_state(stats, stats.num_waiting + self._pending_adds)
+        self.metrics.update_state(stats, self.num_waiting(stats))
