@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
+from headwise.heads.layout import HeadSpec
 from headwise.cache.manager import KVCacheManager
 from tests.test_prefix_cache import _check_books, _same, mixed
 
@@ -18,6 +19,10 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
 
 
 def _layout(kind, shape):
+    if kind == "select":  # select heads (budget 6 of the documents' 28 blocks) beside window heads
+        L, H, D = shape
+        sel, win = HeadSpec("select", 4, 8, 24), HeadSpec("window", 4, 8)
+        return HeadLayout("select", L, H, D, [[sel if (l + h) % 2 else win for h in range(H)] for l in range(L)])
     return {"full": HeadLayout.full(shape), "window": HeadLayout.window(shape, 4, 8),
             "mixed": mixed(shape)}[kind]
 
@@ -52,7 +57,7 @@ def _pair_with_a_cached(path, tmp_path, opts):
     return tiered, plain, a, q, tiered.engine.cache.match_prefix(a + q).hashes
 
 
-@pytest.mark.parametrize("kind", ["full", "window", "mixed"])
+@pytest.mark.parametrize("kind", ["full", "window", "mixed", "select"])
 def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
     path = str(tiny_models["llama"])
     tiered, plain, a, q, keys = _pair_with_a_cached(path, tmp_path, _opts(path, kind))

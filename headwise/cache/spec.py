@@ -83,6 +83,9 @@ class GroupSpec:
     ring_size: int         # ring classes: tokens per head per sequence; 0 for paged ones
     offset: int            # paged: first head of the group in the pool; ring: element
                            # offset of the group within one ring slot's K (or V)
+    budget: int = 0        # select classes: tokens attended per decode step
+    summary_offset: int = -1  # classes with page summaries (HeadClass.page_summary): first
+                              # head of the group among the pool's summarised heads; else -1
 
     @property
     def num_heads(self) -> int:
@@ -91,6 +94,10 @@ class GroupSpec:
     @property
     def paged(self) -> bool:
         return self.ring_size == 0
+
+    @property
+    def summarised(self) -> bool:
+        return self.summary_offset >= 0
 
     @property
     def ring_kind(self) -> RingKind:
@@ -114,7 +121,7 @@ class CacheGeometry:
     def from_layout(cls, layout: HeadLayout, block_size: int, full: KVClassSpec,
                     window: KVClassSpec) -> "CacheGeometry":
         num_full, offsets, groups = [], [], []
-        F = E = 0
+        F = E = S = 0
         for l in range(layout.num_layers):
             nf = layout.num_full(l)
             offsets.append(F)
@@ -128,10 +135,14 @@ class CacheGeometry:
                     runs.append([pos, pos + 1, row[h]])
             layer_groups = []
             for a, b, s in runs:
+                summarised = s.paged and s.head_class.page_summary
                 layer_groups.append(GroupSpec(s.kind, a, b, s.sink, s.window, s.ring_size,
-                                              F + a if s.paged else E))
+                                              F + a if s.paged else E, s.budget if summarised else 0,
+                                              S if summarised else -1))
                 if not s.paged:
                     E += (b - a) * s.ring_size * layout.head_dim
+                if summarised:
+                    S += b - a
             F += nf
             groups.append(tuple(layer_groups))
         return cls(block_size, tuple(num_full), tuple(offsets), tuple(groups), full, window)
@@ -155,9 +166,22 @@ class CacheGeometry:
         return self.ring_tokens * self.window.head_dim
 
     @property
+    def summary_heads(self) -> int:
+        """Paged heads whose class keeps a key summary per block (HeadClass.page_summary)."""
+        return sum(g.num_heads for gs in self.groups for g in gs if g.summarised)
+
+    @property
+    def summary_dtype(self) -> torch.dtype:
+        """Per-channel key min and max of a block: exact in the pool's own dtype when K is
+        stored plainly; float32 over dequantized keys when quantized."""
+        return self.full.dtype if self.full.scale_dtype is None else torch.float32
+
+    @property
     def block_bytes(self) -> int:
-        """One block: block_size tokens of every full head of every layer, K and V."""
-        return self.total_full_heads * self.block_size * self.full.bytes_per_head_token
+        """One block: block_size tokens of every paged head of every layer, K and V, and
+        the key summaries (min and max per channel) of its summarised heads."""
+        summaries = self.summary_heads * 2 * self.full.head_dim * _size(self.summary_dtype)
+        return self.total_full_heads * self.block_size * self.full.bytes_per_head_token + summaries
 
     @property
     def ring_bytes(self) -> int:

@@ -5,9 +5,12 @@ import argparse
 import time
 from pathlib import Path
 
-from headwise.heads.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
+from headwise.heads.layout import DEFAULT_BUDGET, DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
 from headwise.calibration.calibrate import METHODS, calibrate, select_from_scores
+from headwise.calibration.select_profile import DEFAULT_LENGTHS, DEFAULT_RECALL, select_layout
 from headwise.config import add_engine_args, engine_options
+from headwise.layouts import native_layout
+from headwise.weights.loader import read_model_config
 from headwise.evaluation.cli import int_list
 
 
@@ -33,6 +36,13 @@ def add_calibrate(sub) -> None:
     p.add_argument("--plot", default=None, help="PNG heatmap of per-head scores (layers x heads)")
     p.add_argument("--from-scores", default=None, metavar="LAYOUT",
                    help="re-select from the scores stored in a calibrated layout (no model run)")
+    p.add_argument("--select-from", default=None, metavar="LAYOUT",
+                   help="a layout file, or `native` (Gemma 3's own): make its full heads whose chosen pages hold --recall of their "
+                        "attention mass `select` heads (budget --budget, sink --sink, window --window); "
+                        f"profile prompts of --lengths tokens (default {','.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="select heads: tokens attended per decode step")
+    p.add_argument("--recall", type=float, default=DEFAULT_RECALL,
+                   help="select heads: the share of a full head's attention mass its chosen pages must hold")
     p.add_argument("--name", default=None, help="name written into the layout")
     add_engine_args(p, exclude=("head_layout",))
     p.set_defaults(func=cmd_calibrate)
@@ -46,6 +56,23 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         layout = select_from_scores(HeadLayout.load(args.from_scores), args.full_fraction,
                                     args.sink, args.window, args.name)
         how = f"selected from the scores in {args.from_scores}"
+    elif args.select_from:
+        t0 = time.perf_counter()
+        lengths = int_list(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS
+        source = (native_layout(read_model_config(args.model)) if args.select_from == "native"
+                  else HeadLayout.load(args.select_from))
+        if source is None:
+            raise ValueError("--select-from native: this model has no native layout (no sliding-window "
+                             "layers); give a layout file")
+        layout, recall = select_layout(args.model, source, args.budget, args.sink,
+                                       args.window, args.recall, args.samples, lengths, args.seed,
+                                       engine_options=engine_options(args, exclude=("model", "head_layout")))
+        if args.name:
+            layout.name = args.name
+        kinds = [s.kind for row in layout.heads for s in row]
+        how = (f"{kinds.count('select')} select heads (recall >= {args.recall}), {kinds.count('full')} full, "
+               f"profiled in {time.perf_counter() - t0:.0f}s; recall per head (layers x heads):\n"
+               + "\n".join(" ".join(f"{x:.2f}" for x in row) for row in recall.tolist()))
     else:
         t0 = time.perf_counter()
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,

@@ -41,13 +41,17 @@ class KVStorage:
         # Pages of the block pool are full-head blocks; a layout without full heads that
         # caches window state gets plain pages of `page_bytes` instead.
         self.pages = torch.zeros(0 if F else num_blocks, page_bytes, dtype=torch.uint8, device=device)
+        # Key summaries of the summarised paged heads (select), per block: [num_blocks,
+        # S, 2 (min, max), D]; part of a block's bytes, so they travel with it (tier pages).
+        self.summaries = torch.zeros(num_blocks if geo.summary_heads else 0, geo.summary_heads, 2, D,
+                                     dtype=geo.summary_dtype, device=device)
         self._groups = [(self._ring_view(0, g), self._ring_view(1, g)) for g in geo.ring_groups]
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.full_kv, self.full_k_scale,
                                                            self.full_v_scale, self.rings, self.ring_scales,
-                                                           self.pages) if t is not None)
+                                                           self.pages, self.summaries) if t is not None)
 
     # ---- window-state snapshots: a ring slot's bytes <-> pages of the block pool ------
     def _ring_parts(self, slot: int) -> list[torch.Tensor]:
@@ -82,8 +86,11 @@ class KVStorage:
         if self.pages.shape[0]:
             return [self.pages[None]]
         F = self.full_k.shape[0]
-        return [t.view(torch.uint8).view(F, self.num_blocks, -1)
-                for t in (self.full_k, self.full_v, self.full_k_scale, self.full_v_scale) if t is not None]
+        views = [t.view(torch.uint8).view(F, self.num_blocks, -1)
+                 for t in (self.full_k, self.full_v, self.full_k_scale, self.full_v_scale) if t is not None]
+        if self.summaries.numel():
+            views.append(self.summaries.view(torch.uint8).view(1, self.num_blocks, -1))
+        return views
 
     def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
         views = self._page_views()
@@ -141,5 +148,8 @@ class KVStorage:
         for g in self.geometry.groups[layer]:
             k, v, kv = (self._paged_views(g) if g.paged else
                         (self._ring_view(0, g), self._ring_view(1, g), self._ring_pair(g)))
-            out.append(HeadGroup(head_class(g.kind), g.kv_start, g.kv_end, g.sink, g.window, k, v, kv))
+            summary = (self.summaries[:, g.summary_offset: g.summary_offset + g.num_heads]
+                       if g.summarised else None)  # [num_blocks, n, 2, D]
+            out.append(HeadGroup(head_class(g.kind), g.kv_start, g.kv_end, g.sink, g.window, k, v, kv,
+                                 budget=g.budget, summary=summary))
         return out

@@ -35,9 +35,11 @@ class ModelRunner:
         self.ring_kinds = [(kind, head_class(kind.name)) for kind in cache.geometry.ring_kinds()]
         # Decode in CUDA graphs (engine.cuda_graphs): where the backend's decode reads only
         # tensors, unless eager is enforced. Padding rows write into one spare block and
-        # ring slot past the manager's books.
+        # ring slot past the manager's books. Page selection (select heads) sizes its
+        # work from the step's lengths on the host, so such layouts decode eagerly.
         capturer = (cuda_graphs.capturer_for(self.device)
-                    if self.backend.PAGED and enforce_eager is not True and not self.rebased else None)
+                    if self.backend.PAGED and enforce_eager is not True and not self.rebased
+                    and not cache.geometry.summary_heads else None)
         spare = int(capturer is not None)
         self.kv = KVStorage(cache.geometry, cache.num_blocks + spare, cache.num_ring_slots + spare, self.device,
                             page_bytes=cache.page_bytes, compute_dtype=dtype)
@@ -98,10 +100,15 @@ class ModelRunner:
         return logits.float().cpu(), sampling_seqs
 
     def _context(self, scheduled: list[tuple[Sequence, int]]):
-        # Decode-shaped entries (one new token on top of cached context) go first and are
-        # batched together; prefill chunks follow, each attended on its own.
-        decodes = [(s, n) for s, n in scheduled if n == 1 and s.num_computed_tokens > 0]
-        prefills = [(s, n) for s, n in scheduled if not (n == 1 and s.num_computed_tokens > 0)]
+        # Decode entries (one generated token on top of cached context) go first and are
+        # batched together; prefill chunks follow, each attended on its own. A prompt's
+        # last token computed alone (after a prefix hit) is a chunk of one: prompt tokens
+        # are attended as prefill (select heads choose pages for generated tokens only).
+        def decoding(s, n):
+            return n == 1 and 0 < s.num_computed_tokens >= s.num_prompt_tokens
+
+        decodes = [(s, n) for s, n in scheduled if decoding(s, n)]
+        prefills = [(s, n) for s, n in scheduled if not decoding(s, n)]
         cache, dev, meta = self.cache, self.device, self.metadata
         ids, pos, slots, chunks = [], [], [], []
         sampling_rows, sampling_seqs = [], []

@@ -39,6 +39,10 @@ class HeadClass:
     # decode (the CPU's C kernel), which writes the new token where ring_index (paged:
     # its slot) says and attends every valid entry of the ring (paged: every token).
     fused_decode: ClassVar[bool] = False
+    # PAGED classes: whether each block keeps a key summary of the class's heads (per
+    # channel min and max, [2, D] per head), counted in the block's bytes, recomputed from
+    # the keys whenever a block is written (the runner's KVStorage; heads.select)
+    page_summary: ClassVar[bool] = False
 
     # ---- layouts --------------------------------------------------------------------
     def check(self, spec) -> None:

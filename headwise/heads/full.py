@@ -26,22 +26,29 @@ class FullHeads(HeadClass):
     def attend(self, layer, group, ctx, q, kst, vst, out) -> None:
         # kst, vst: stored forms of the step's K/V [T, n, D] (+ scales [T, n]); written
         # as they are, attended as reads will return them.
-        kc, vc = group.k, group.v
-        decode, prefill = _IMPLS[layer.backend.NAME]
+        self.write(group, ctx, kst, vst)
+        B = ctx.num_decode
+        if B:
+            out[:B] = self.decode(layer, group, ctx, q[:B])
+        if ctx.prefills:  # decode reads its own token back from the pool
+            k, v = group.k.decode(*kst), group.v.decode(*vst)
+        prefill = _IMPLS[layer.backend.NAME][1]
+        for ch in ctx.prefills:
+            s = ch.rows
+            out[s] = prefill(q[s], k[s], v[s], group.k, group.v, ctx, ch, layer.scale)
+
+    def write(self, group, ctx, kst, vst) -> None:
+        """The step's K/V into the group's slots of the pool (ctx.full_slots)."""
         if group.kv is not None:  # K and V in one write: [2, n, T, D]
             group.kv[:, :, ctx.full_slots] = torch.stack((kst[0], vst[0])).transpose(1, 2)
         else:
             at = (slice(None), ctx.full_slots)
-            kc.put(at, *take(kst, lambda t: t.transpose(0, 1)))
-            vc.put(at, *take(vst, lambda t: t.transpose(0, 1)))
-        B = ctx.num_decode
-        if B:
-            out[:B] = decode(q[:B], kc, vc, ctx, layer.scale)
-        if ctx.prefills:  # decode reads its own token back from the pool
-            k, v = kc.decode(*kst), vc.decode(*vst)
-        for ch in ctx.prefills:
-            s = ch.rows
-            out[s] = prefill(q[s], k[s], v[s], kc, vc, ctx, ch, layer.scale)
+            group.k.put(at, *take(kst, lambda t: t.transpose(0, 1)))
+            group.v.put(at, *take(vst, lambda t: t.transpose(0, 1)))
+
+    def decode(self, layer, group, ctx, q) -> torch.Tensor:
+        """The decode rows' attention: q [B, n*g, D] -> [B, n*g, D]."""
+        return _IMPLS[layer.backend.NAME][0](q, group.k, group.v, ctx, layer.scale)
 
 
 # ---- the torch backend --------------------------------------------------------------

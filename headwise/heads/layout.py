@@ -1,16 +1,17 @@
-"""Head layouts: which (layer, KV head) keeps every token and which keeps sink + window.
+"""Head layouts: the head class of every (layer, KV head): `full` (every token),
+`window` (sink + recent window) or `select` (every token kept, a budget of pages attended).
 
 File format (JSON, version 2):
     {"format": "headwise-head-layout", "version": 2, "model": "<id>",
      "num_layers": L, "num_kv_heads": H, "head_dim": D,
-     "sink": 64, "window": 256,
-     "heads": [["full", "window", {"class": "window", "sink": 32, "window": 512}], ...],
+     "sink": 64, "window": 256, "budget": 2048,   # budget: only with select heads
+     "heads": [["full", "window", {"class": "window", "sink": 32, "window": 512}, "select"], ...],
      "kv_dtype": {"full": "int8", "window": "bfloat16"},  # optional, per head class
      "scores": [[...], ...]}          # optional, per-head calibration scores
-A head given as a bare string uses the file's default sink and window. `kv_dtype` sets a
+A head given as a bare string uses the file's default parameters. `kv_dtype` sets a
 class's KV cache dtype, overriding the engine's kv_cache_dtype option for that class.
 Version 1 files (no kv_dtype) still load. The classes are those registered in
-headwise.heads.base (heads/full.py, heads/window.py); each checks its own parameters.
+headwise.heads.base (heads/full.py, heads/window.py, heads/select.py); each checks its own parameters.
 """
 from __future__ import annotations
 
@@ -28,6 +29,9 @@ VERSION = 2
 READABLE_VERSIONS = (1, 2)
 DEFAULT_SINK = 64
 DEFAULT_WINDOW = 256
+# Tokens a `select` head attends per decode step (sink and recent window included).
+DEFAULT_BUDGET = 2048
+DEFAULTS = {"sink": DEFAULT_SINK, "window": DEFAULT_WINDOW, "budget": DEFAULT_BUDGET}
 # A layout's kv_dtype sets the dtype of each pool by the name of its first class: "full"
 # for the paged pool, "window" for the rings.
 KV_DTYPE_KEYS = ("full", "window")
@@ -41,13 +45,14 @@ class HeadSpec:
     kind: str              # a registered head class: "full", "window", ...
     sink: int = DEFAULT_SINK     # parameters; a class reads those it names (HeadClass.params)
     window: int = DEFAULT_WINDOW
+    budget: int = DEFAULT_BUDGET
 
     def __post_init__(self) -> None:
         if self.head_class is None:
             raise LayoutError(f"unknown head class {self.kind!r}; expected one of {base.class_names()}")
         # Parameters the class does not have take their defaults, so that equal heads
         # compare (and hash into prefix-cache keys) equal.
-        for p, default in (("sink", DEFAULT_SINK), ("window", DEFAULT_WINDOW)):
+        for p, default in DEFAULTS.items():
             if p not in self.head_class.params:
                 object.__setattr__(self, p, default)
         self.head_class.check(self)
@@ -160,7 +165,8 @@ class HeadLayout:
 
     # ---- files --------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        defaults = {"sink": self.default_sink, "window": self.default_window}
+        used = {p for r in self.heads for s in r for p in s.head_class.params}
+        defaults = {p: self._default(p, DEFAULTS[p]) for p in DEFAULTS}
 
         def enc(s: HeadSpec):
             params = {p: getattr(s, p) for p in s.head_class.params}
@@ -172,6 +178,7 @@ class HeadLayout:
             "format": FORMAT, "version": VERSION, "model": self.model, "name": self.name,
             "num_layers": self.num_layers, "num_kv_heads": self.num_kv_heads, "head_dim": self.head_dim,
             "sink": self.default_sink, "window": self.default_window,
+            **({"budget": defaults["budget"]} if "budget" in used else {}),
             "heads": [[enc(s) for s in row] for row in self.heads],
         }
         if self.kv_dtype:
@@ -209,7 +216,7 @@ class HeadLayout:
             raise LayoutError(f"{name}: 'kv_dtype' must be an object such as {{\"full\": \"int8\"}}")
         try:
             L, H, D = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
-            sink, window = d.get("sink", DEFAULT_SINK), d.get("window", DEFAULT_WINDOW)
+            top = {p: d.get(p, DEFAULTS[p]) for p in DEFAULTS}  # the file's defaults
             rows = d["heads"]
         except (KeyError, TypeError, ValueError) as e:
             raise LayoutError(f"{name}: missing or invalid field {e}") from None
@@ -223,9 +230,9 @@ class HeadLayout:
             for h, e in enumerate(row):
                 try:
                     if isinstance(e, str):
-                        specs.append(HeadSpec(e, sink, window))
+                        specs.append(HeadSpec(e, **top))
                     elif isinstance(e, dict):
-                        specs.append(HeadSpec(e.get("class"), e.get("sink", sink), e.get("window", window)))
+                        specs.append(HeadSpec(e.get("class"), **{p: e.get(p, v) for p, v in top.items()}))
                     else:
                         raise LayoutError(f"head entry must be a string or object, got {e!r}")
                 except LayoutError as err:

@@ -50,6 +50,9 @@ class HeadGroup:
     v: KVTensor
     kv: torch.Tensor | None = None  # K and V values together, [2, ...] (one write of
                                     # both); None when quantized
+    budget: int = 0                 # select classes: tokens attended per decode step
+    summary: torch.Tensor | None = None  # classes with page summaries: [num_blocks, n, 2, D]
+                                         # per-channel key min and max of each block
 
     @property
     def num_heads(self) -> int:

@@ -32,8 +32,8 @@ PAGED = False
 
 @dataclass
 class TorchDecode(PagedDecode):
-    """What this backend reads of a step's decode rows (StepContext.decode). block_tables:
-    only where the C kernel attends the paged heads."""
+    """What this backend reads of a step's decode rows (StepContext.decode)."""
+    # block_tables: where the C kernel attends the paged heads, or select heads choose pages
     min_len: int = 0                                     # min(decode_lens), on the host
     ring_slots: list[int] = field(default_factory=list)  # decode_ring_slots, on the host
     runs: list[list[tuple[int, int]]] | None = None      # paged heads without the C kernel:
@@ -50,14 +50,15 @@ class StepMetadata:
         geo = cache.geometry
         self.cache, self.device = cache, device
         self.paged_by_kernel = decode_kernel(device, geo.full, compute) and cache.has_full_heads
+        self.tables = self.paged_by_kernel or geo.summary_heads > 0
         self.kernel = self.paged_by_kernel or decode_kernel(device, geo.window, compute)
 
     def decode(self, seq_ids: list[int], lens: list[int], ring_slots: list[int]) -> TorchDecode:
         cache, dev = self.cache, self.device
         meta = TorchDecode(min_len=min(lens), ring_slots=ring_slots)
-        if self.paged_by_kernel:
+        if self.tables:
             meta.block_tables = block_tables([cache.block_table(s) for s in seq_ids], dev)
-        elif cache.has_full_heads:
+        if cache.has_full_heads and not self.paged_by_kernel:
             meta.runs = [cache.slot_runs(s, n) for s, n in zip(seq_ids, lens)]
         if self.kernel:
             meta.lens_i32 = torch.tensor(lens, dtype=torch.int32, device=dev)

@@ -1,0 +1,159 @@
+"""The `select` class: heads that keep every token in the paged pool, as full heads do,
+but whose decode attends only the pages its query needs (Quest's query-aware page
+selection), within a budget of `budget` tokens that always includes the first `sink`
+tokens and the last `window`. Prefill is exact (the full class's).
+
+Each block keeps, per select head, the per-channel minimum and maximum of its keys
+(HeadGroup.summary [num_blocks, n, 2, D]), recomputed whenever the block is written.
+At each decode step a page's score is the Quest bound, an upper bound on q.k over the
+page's keys: sum_d max(q_d * min_d, q_d * max_d), the largest over the group's query
+heads; the top pages are attended exactly. Re-selected at every step: the bound reads
+2 * D values per page against the 2 * block_size * D of its K and V.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from headwise.heads.base import LayoutError, register
+from headwise.heads.full import FullHeads
+from headwise.kernels.cpu_kernels import usable
+from headwise.layers.kv_tensor import KVTensor, dequantize
+from headwise.layers.torch_attention import pool_call
+
+
+class SelectHeads(FullHeads):
+    name = "select"
+    params = ("sink", "window", "budget")
+    fused_decode = False  # per-head page tables: the layer's one-call decode does not apply
+    page_summary = True
+
+    def check(self, spec) -> None:
+        for p, low in (("sink", 0), ("window", 1), ("budget", 1)):
+            v = getattr(spec, p)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise LayoutError(f"{p} must be an integer >= {low}, got {v!r}")
+        if spec.budget < spec.sink + spec.window:
+            raise LayoutError(f"budget ({spec.budget}) must cover sink + window ({spec.sink + spec.window})")
+
+    def describe(self, spec) -> str:
+        return f"select (budget {spec.budget}, sink {spec.sink}, window {spec.window})"
+
+    def write(self, group, ctx, kst, vst) -> None:
+        super().write(group, ctx, kst, vst)
+        refresh_summaries(group, torch.unique(ctx.full_slots // ctx.block_size), ctx.block_size)
+
+    def decode(self, layer, group, ctx, q) -> torch.Tensor:
+        tables = ctx.decode.block_tables  # [B, W] int32 (StepMetadata builds them for select)
+        picked = select_pages(q, group.summary, tables, ctx.decode_lens, ctx.block_size,
+                              group.sink, group.window, group.budget)
+        if picked is None:  # every page fits the budget: exactly the full class's decode
+            return super().decode(layer, group, ctx, q)
+        return _IMPLS[layer.backend.NAME](q, group, picked, ctx.block_size, layer.scale)
+
+
+def refresh_summaries(group, blocks: torch.Tensor, block_size: int) -> None:
+    """Recompute the key summaries of `blocks` [m] from all block_size keys each holds.
+    Rows past a partial block's fill hold stale keys: the bound they give is looser,
+    never lower (and a sequence's last page is always attended anyway)."""
+    n, D = group.k.shape[0], group.k.shape[-1]
+    k = group.k.data.view(n, -1, block_size, D)[:, blocks]  # [n, m, bs, D]
+    if group.k.scale is not None:
+        k = dequantize(k, group.k.scale.view(n, -1, block_size)[:, blocks], torch.float32)
+    group.summary[blocks] = torch.stack((k.amin(2), k.amax(2)), 2).transpose(0, 1).to(group.summary.dtype)
+
+
+def page_bounds(q: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
+    """Quest bound of each page: q [B, n, g, D]; summary [B, W, n, 2, D] (min, max of
+    each page's keys) -> [B, n, W], max over the g query heads of sum_d max(q_d * min_d,
+    q_d * max_d), in float32 (float64 in, float64 out)."""
+    dt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qf = q.to(dt)
+    lo, hi = summary[..., 0, :].to(dt), summary[..., 1, :].to(dt)  # [B, W, n, D]
+    # max(q * lo, q * hi) = relu(q) * hi + min(q, 0) * lo, summed over d
+    s = (torch.einsum("bngd,bwnd->bngw", qf.clamp(min=0), hi)
+         + torch.einsum("bngd,bwnd->bngw", qf.clamp(max=0), lo))
+    return s.amax(2)
+
+
+def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
+                 block_size: int, sink: int, window: int, budget: int):
+    """Pages each head of a select group attends at this decode step.
+
+    q [B, n*g, D]; summary [num_blocks, n, 2, D]; tables [B, W] int32 block tables; lens
+    [B] tokens including the new one. Returns None when every sequence's pages fit the
+    budget, else (tables [n, B, K] int32, lens [n, B] int32): per head and sequence its
+    chosen blocks in position order (the last, partial page last) and the number of
+    tokens they hold. Pages touching [0, sink) or the last `window` tokens are always
+    chosen; the rest by their Quest bound, up to budget // block_size pages in all."""
+    B, W = tables.shape
+    n = summary.shape[1]
+    lens = lens.to(torch.int64)
+    pages = (lens + block_size - 1) // block_size                       # [B]
+    p = torch.arange(W, device=q.device)
+    forced = (p[None] * block_size < sink) | ((p[None] + 1) * block_size > (lens - window)[:, None])
+    valid = p[None] < pages[:, None]                                    # [B, W]
+    forced &= valid
+    K = min(W, max(budget // block_size, int(forced.sum(1).max())))
+    if int(pages.max()) <= K:
+        return None
+    s = page_bounds(q.view(B, n, -1, q.shape[-1]), summary[tables.long()])  # [B, n, W]
+    s = s.masked_fill(forced[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
+    top, idx = s.topk(K, dim=-1)                                        # [B, n, K]
+    chosen = top > float("-inf")
+    idx, _ = idx.masked_fill(~chosen, W).sort(-1)                       # position order, unused last
+    blocks = tables.long().gather(1, idx.clamp(max=W - 1).flatten(1)).view(B, n, K)
+    count = chosen.sum(-1)                                              # [B, n]
+    tail = lens - (pages - 1) * block_size                              # tokens in the last page
+    sel_lens = (count - 1) * block_size + tail[:, None]
+    return (blocks.transpose(0, 1).to(torch.int32).contiguous(),
+            sel_lens.transpose(0, 1).to(torch.int32).contiguous())
+
+
+# ---- attention over the chosen pages, per backend --------------------------------------
+def torch_decode(q, group, picked, block_size: int, scale: float) -> torch.Tensor:
+    # q [B, n*g, D]; each head h attends the pages tables[h] [B, K] holds, lens[h] [B] tokens.
+    tables, lens = picked
+    n = group.num_heads
+    B, H, D = q.shape
+    out = torch.empty_like(q)
+    if usable(q, group.k):  # the C kernel, one call per head with its own page table
+        for h in range(n):
+            pool_call(group.k[h:h + 1], group.v[h:h + 1], block_size, H // n, head=h)(
+                q, out, tables[h], lens[h], scale)
+        return out
+    K = tables.shape[-1]
+    slots = (tables.long()[..., None] * block_size + torch.arange(block_size)).view(n, B, K * block_size)
+    heads = torch.arange(n)[:, None, None]
+    k = _load(group.k, heads, slots).transpose(0, 1)  # [B, n, K*bs, D]
+    v = _load(group.v, heads, slots).transpose(0, 1)
+    mask = (torch.arange(K * block_size)[None, None] < lens.T[..., None].long())[:, :, None]  # [B, n, 1, K*bs]
+    o = F.scaled_dot_product_attention(q.view(B, n, H // n, D).to(k.dtype), k, v, attn_mask=mask, scale=scale)
+    return o.reshape(B, H, D).to(q.dtype)
+
+
+def _load(cache: KVTensor, heads: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """[n, B, L, D] values of each head's own slots [n, B, L], in the compute dtype (float32
+    for a quantized pool)."""
+    if cache.scale is None:
+        return cache.data[heads, slots].to(cache.dtype)
+    return dequantize(cache.data[heads, slots], cache.scale[heads, slots], torch.float32)
+
+
+def triton_decode(q, group, picked, block_size: int, scale: float) -> torch.Tensor:
+    from headwise.kernels import triton_attention as K
+
+    tables, lens = picked
+    n, g = group.num_heads, q.shape[1] // group.num_heads
+    out = torch.empty_like(q)
+    ks, vs = group.k.scale, group.v.scale
+    for h in range(n):
+        out[:, h * g:(h + 1) * g] = K.paged_decode(
+            q[:, h * g:(h + 1) * g].contiguous(), group.k.data[h:h + 1], group.v.data[h:h + 1], tables[h],
+            lens[h], block_size, scale, k_scale=None if ks is None else ks[h:h + 1],
+            v_scale=None if vs is None else vs[h:h + 1])
+    return out
+
+
+_IMPLS = {"torch": torch_decode, "triton": triton_decode}
+SELECT = register(SelectHeads())
