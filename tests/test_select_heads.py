@@ -240,3 +240,31 @@ def test_select_profile_turns_full_heads_whose_pages_hold_the_mass_into_select(l
     with pytest.raises(ValueError, match="fit the budget"):
         select_layout(llama, source, budget=512, sink=4, window=16, lengths=(300,), progress=False,
                       engine_options=opts)
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_chosen_pages_are_in_position_order_within_budget(B):
+    """select_pages alone: forced pages, budget, position order with the partial page last,
+    lengths, and tables the C kernel takes (unit strides, even for one sequence)."""
+    n, G, D, W = 3, 2, 8, 12
+    g = torch.Generator().manual_seed(B)
+    summary = torch.randn(40, n, 2, D, generator=g).sort(dim=2).values  # min <= max
+    tables = torch.randperm(40, generator=g)[:B * W].view(B, W).to(torch.int32)
+    lens = torch.tensor([150, 70, 33][:B])
+    q = torch.randn(B, n * G, D, generator=g)
+    sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, sink=4, window=20, budget=64)
+    assert sel.shape == (n, B, 4) and sel_lens.shape == (n, B)
+    for h in range(n):
+        assert sel[h].stride(-1) == 1 and sel_lens[h].stride(0) == 1
+    bounds = select.page_bounds(q.view(B, n, G, D), summary[tables.long()])
+    for b in range(B):
+        P = -(-int(lens[b]) // BS)
+        for h in range(n):
+            row = tables[b].tolist()
+            pages = [row.index(x) for x in sel[h, b].tolist()[:min(P, 4)]]
+            assert pages == sorted(pages) and pages[-1] == P - 1  # position order, last page last
+            forced = {p for p in range(P) if p * BS < 4 or (p + 1) * BS > int(lens[b]) - 20}
+            assert forced <= set(pages)
+            rest = sorted(set(range(P)) - forced, key=lambda p: -float(bounds[b, h, p]))
+            assert set(pages) == forced | set(rest[:len(pages) - len(forced)])
+            assert int(sel_lens[h, b]) == (len(pages) - 1) * BS + int(lens[b]) - (P - 1) * BS

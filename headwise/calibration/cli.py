@@ -84,9 +84,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             layout.name = args.name
         how = f"calibrated in {time.perf_counter() - t0:.0f}s"
     layout.save(out)
-    print(f"wrote {out}: {layout.full_fraction:.1%} of KV heads full "
-          f"({sum(layout.num_full(l) for l in range(layout.num_layers))} of "
-          f"{layout.num_layers * layout.num_kv_heads}), {how}")
+    print(f"wrote {out}: {layout.summary} ({layout.full_fraction:.1%} keep every token), {how}")
     if args.plot:
         plot_scores(layout, args.plot)
         print(f"wrote {args.plot}")

@@ -145,8 +145,20 @@ class HeadLayout:
         """KV heads of a layer that keep every token (paged classes)."""
         return sum(s.paged for s in self.heads[layer])
 
+    def class_counts(self) -> dict[str, int]:
+        """KV heads of each class, in registration order."""
+        kinds = [s.kind for r in self.heads for s in r]
+        return {c: kinds.count(c) for c in base.class_names() if c in kinds}
+
+    @property
+    def summary(self) -> str:
+        """e.g. "13 full, 17 select, 60 window of 90 KV heads"."""
+        counts = self.class_counts()
+        return f"{', '.join(f'{n} {c}' for c, n in counts.items())} of {sum(counts.values())} KV heads"
+
     @property
     def full_fraction(self) -> float:
+        """Share of KV heads that keep every token (paged classes: full and select)."""
         return sum(self.num_full(l) for l in range(self.num_layers)) / (self.num_layers * self.num_kv_heads)
 
     def head_order(self, layer: int) -> list[int]:

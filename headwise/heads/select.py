@@ -106,8 +106,13 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     count = chosen.sum(-1)                                              # [B, n]
     tail = lens - (pages - 1) * block_size                              # tokens in the last page
     sel_lens = (count - 1) * block_size + tail[:, None]
-    return (blocks.transpose(0, 1).to(torch.int32).contiguous(),
-            sel_lens.transpose(0, 1).to(torch.int32).contiguous())
+    return _packed(blocks.transpose(0, 1)), _packed(sel_lens.transpose(0, 1))
+
+
+def _packed(x: torch.Tensor) -> torch.Tensor:
+    """x as a new int32 tensor with row-major strides (`contiguous()` keeps the odd
+    stride of a size-1 dim, and the C kernel needs unit inner strides)."""
+    return torch.empty(x.shape, dtype=torch.int32, device=x.device).copy_(x)
 
 
 # ---- attention over the chosen pages, per backend --------------------------------------

@@ -315,7 +315,7 @@ def serve(engine: LLMEngine, host: str, port: int, max_queue: int | None,
     `shutdown_timeout` seconds, abort the rest (their KV freed) and return."""
     app = create_app(engine, served_model_name, max_queue, api_key, max_request_bytes)
     print(f"headwise serving {served_model_name or engine.model_name} on http://{host}:{port} "
-          f"(layout {engine.layout.name}, {engine.layout.full_fraction:.0%} full heads"
+          f"(layout {engine.layout.name}: {engine.layout.summary}"
           f"{', API key required' if api_key else ''})", flush=True)
     config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                             timeout_graceful_shutdown=int(shutdown_timeout) + 5)
