@@ -144,8 +144,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-gib", type=float, default=2.0)
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--agg-steps", type=int, default=8)
-    ap.add_argument("--systems", default="headwise,headwise-int8,headwise-full,transformers,llama.cpp-fa,llama.cpp-nofa",
-                    help="comma-separated; llama.cpp-fa / -nofa: flash attention on / off, llama.cpp: the "
+    ap.add_argument("--systems", default="headwise,headwise-select,headwise-int8,headwise-full,transformers,"
+                                         "llama.cpp-fa,llama.cpp-nofa",
+                    help="comma-separated; headwise-select: the shipped layout with select heads; "
+                         "llama.cpp-fa / -nofa: flash attention on / off, llama.cpp: the "
                          "library default; also headwise-native (a model's native layout) and "
                          "headwise@LAYOUT.json")
     ap.add_argument("--out-dir", default="bench")

@@ -209,6 +209,16 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
             raise Skip("no calibrated layout for this model; run headwise calibrate and pass it")
         # None: the engine's default, the shipped layout, else the native one (Gemma 3)
         return HeadwiseSystem(name, model, layout, max_context, dtype, "int8" if name.endswith("int8") else "auto")
+    if name == "headwise-select":  # the shipped layout with select heads
+        from headwise.layouts import shipped_layout
+        from headwise.weights.loader import model_name, read_model_config, resolve_model_path
+
+        cfg = read_model_config(model)
+        lay = shipped_layout(model_name(resolve_model_path(model)), (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim),
+                             select=True)
+        if lay is None:
+            raise Skip("no layout with select heads ships for this model (headwise calibrate --select-from)")
+        return HeadwiseSystem(name, model, lay, max_context, dtype)
     if name == "headwise-native":
         return HeadwiseSystem(name, model, "native", max_context, dtype)
     if name.startswith("headwise@"):  # headwise@LAYOUT.json: a layout of one's own, named by its file

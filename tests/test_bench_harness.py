@@ -11,7 +11,7 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
     out = tmp_path / "bench"
     rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "64,128",
                            "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
-                           "--systems", "headwise,headwise-int8,headwise-full,transformers,llama.cpp",
+                           "--systems", "headwise,headwise-select,headwise-int8,headwise-full,transformers,llama.cpp",
                            "--out-dir", str(out)])
     assert rc == 0
     res = json.loads((out / "results.json").read_text())
@@ -24,6 +24,7 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
         assert r["ttft_s"] > 0 and r["decode_tok_s"] > 0 and r["max_concurrency"] >= 1
         assert r["agg_tok_s"] > 0 and r["peak_rss_bytes"] > 0
     assert "llama.cpp" in res["skipped"]  # an HF directory has no GGUF for llama.cpp
+    assert "no layout with select heads" in res["skipped"]["headwise-select"]
     md = (out / "results.md").read_text()
     assert "llama.cpp: skipped" in md
     assert (out / "results.png").stat().st_size > 0

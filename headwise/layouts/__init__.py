@@ -8,11 +8,15 @@ from headwise.models.config import ModelConfig
 
 _DIR = Path(__file__).parent
 SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024.json"}
+# Layouts with select heads (heads/select.py), calibrated from the shipped ones; opt-in
+# (`--head-layout`, the benchmarks' `headwise-select`) until the quality suite says more.
+SHIPPED_SELECT = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024-select1024.json"}
 
 
-def shipped_layout(model_name: str, shape: tuple[int, int, int]) -> HeadLayout | None:
-    """The calibrated layout for a known model, or None (then every head is full)."""
-    fname = SHIPPED.get(model_name)
+def shipped_layout(model_name: str, shape: tuple[int, int, int], select: bool = False) -> HeadLayout | None:
+    """The calibrated layout for a known model (with select heads: `select`), or None
+    (then every head is full)."""
+    fname = (SHIPPED_SELECT if select else SHIPPED).get(model_name)
     if fname is None or not (_DIR / fname).is_file():
         return None
     layout = HeadLayout.load(_DIR / fname)
