@@ -242,21 +242,31 @@ def test_select_profile_turns_full_heads_whose_pages_hold_the_mass_into_select(l
                       engine_options=opts)
 
 
+@pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("B", [1, 3])
-def test_chosen_pages_are_in_position_order_within_budget(B):
-    """select_pages alone: forced pages, budget, position order with the partial page last,
-    lengths, and tables the C kernel takes (unit strides, even for one sequence)."""
+def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
+    """select_pages alone, through the C kernel (kernels/cpu_select.c) and PyTorch: forced
+    pages, budget, position order with the partial page last, lengths, and tables the C
+    attention kernel takes (unit strides, even for one sequence)."""
     n, G, D, W = 3, 2, 8, 12
     g = torch.Generator().manual_seed(B)
     summary = torch.randn(40, n, 2, D, generator=g).sort(dim=2).values  # min <= max
     tables = torch.randperm(40, generator=g)[:B * W].view(B, W).to(torch.int32)
     lens = torch.tensor([150, 70, 33][:B])
     q = torch.randn(B, n * G, D, generator=g)
-    sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, sink=4, window=20, budget=64)
+    K = select.page_count(lens.tolist(), W, BS, sink=4, window=20, budget=64)
+    assert K == 4 and select.page_count([60, 33], W, BS, 4, 20, 64) is None  # 4 pages or fewer: all
+    sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, K, use_kernel=kernel)
     assert sel.shape == (n, B, 4) and sel_lens.shape == (n, B)
     for h in range(n):
         assert sel[h].stride(-1) == 1 and sel_lens[h].stride(0) == 1
     bounds = select.page_bounds(q.view(B, n, G, D), summary[tables.long()])
+    if kernel:  # both ways choose the same pages (entries past a sequence's pages are unused)
+        t_sel, t_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, K, use_kernel=False)
+        assert torch.equal(t_lens, sel_lens)
+        for b in range(B):
+            used = min(K, -(-int(lens[b]) // BS))
+            assert torch.equal(t_sel[:, b, :used], sel[:, b, :used])
     for b in range(B):
         P = -(-int(lens[b]) // BS)
         for h in range(n):

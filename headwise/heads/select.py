@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from headwise.heads.base import LayoutError, register
 from headwise.heads.full import FullHeads
+from headwise.kernels import cpu_kernels
 from headwise.kernels.cpu_kernels import usable
 from headwise.layers.kv_tensor import KVTensor, dequantize
 from headwise.layers.torch_attention import pool_call
@@ -39,16 +40,37 @@ class SelectHeads(FullHeads):
     def describe(self, spec) -> str:
         return f"select (budget {spec.budget}, sink {spec.sink}, window {spec.window})"
 
+    def __init__(self) -> None:
+        self._step = None  # (the step's context, what every select group of it shares)
+
+    def _shared(self, ctx) -> dict:
+        """Per step, computed once for all layers: the blocks the step writes, the decode
+        lengths on the host, and per (sink, window, budget) the page count K (None: every
+        sequence fits)."""
+        step = self._step
+        if step is None or step[0] is not ctx:
+            if ctx.num_decode and not ctx.prefills:  # one new token per sequence: distinct blocks
+                blocks = ctx.full_slots // ctx.block_size
+            else:
+                blocks = torch.unique(ctx.full_slots // ctx.block_size)
+            step = self._step = (ctx, {"blocks": blocks, "lens": ctx.decode_lens.tolist() if ctx.num_decode else []})
+        return step[1]
+
     def write(self, group, ctx, kst, vst) -> None:
         super().write(group, ctx, kst, vst)
-        refresh_summaries(group, torch.unique(ctx.full_slots // ctx.block_size), ctx.block_size)
+        refresh_summaries(group, self._shared(ctx)["blocks"], ctx.block_size)
 
     def decode(self, layer, group, ctx, q) -> torch.Tensor:
-        tables = ctx.decode.block_tables  # [B, W] int32 (StepMetadata builds them for select)
-        picked = select_pages(q, group.summary, tables, ctx.decode_lens, ctx.block_size,
-                              group.sink, group.window, group.budget)
-        if picked is None:  # every page fits the budget: exactly the full class's decode
+        shared = self._shared(ctx)
+        key = (group.sink, group.window, group.budget)
+        if key not in shared:
+            shared[key] = page_count(shared["lens"], ctx.decode.block_tables.shape[1], ctx.block_size, *key)
+        K = shared[key]
+        if K is None:  # every page fits the budget: exactly the full class's decode
             return super().decode(layer, group, ctx, q)
+        # block tables [B, W] int32: StepMetadata builds them when a layout has select heads
+        picked = select_pages(q, group.summary, ctx.decode.block_tables, ctx.decode_lens, ctx.block_size,
+                              group.sink, group.window, K)
         return _IMPLS[layer.backend.NAME](q, group, picked, ctx.block_size, layer.scale)
 
 
@@ -76,17 +98,37 @@ def page_bounds(q: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:
     return s.amax(2)
 
 
+def forced_pages(n: int, block_size: int, sink: int, window: int) -> int:
+    """Pages of a sequence of n tokens touching [0, sink) or its last `window` tokens."""
+    P = -(-n // block_size)
+    sink_end = min(P, -(-sink // block_size))
+    win_start = max(0, n - window) // block_size
+    return sink_end + (P - win_start) - max(0, sink_end - win_start)
+
+
+def page_count(lens: list[int], width: int, block_size: int, sink: int, window: int, budget: int) -> int | None:
+    """K, the pages each select head attends this step: budget // block_size, or more
+    where a sequence's sink and window pages alone are more, at most the table's width;
+    None when every sequence has at most K pages (then it attends all of them)."""
+    K = min(width, max(budget // block_size, max(forced_pages(n, block_size, sink, window) for n in lens)))
+    return None if max(-(-n // block_size) for n in lens) <= K else K
+
+
 def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 block_size: int, sink: int, window: int, budget: int):
-    """Pages each head of a select group attends at this decode step.
+                 block_size: int, sink: int, window: int, K: int, use_kernel: bool = True):
+    """The K pages each head of a select group attends at this decode step (page_count).
 
     q [B, n*g, D]; summary [num_blocks, n, 2, D]; tables [B, W] int32 block tables; lens
-    [B] tokens including the new one. Returns None when every sequence's pages fit the
-    budget, else (tables [n, B, K] int32, lens [n, B] int32): per head and sequence its
-    chosen blocks in position order (the last, partial page last) and the number of
-    tokens they hold. Pages touching [0, sink) or the last `window` tokens are always
-    chosen; the rest by their Quest bound, up to budget // block_size pages in all."""
+    [B] tokens including the new one. Returns (tables [n, B, K] int32, lens [n, B]
+    int32): per head and sequence its chosen blocks in position order (the last, partial
+    page last) and the number of tokens they hold. Pages touching [0, sink) or the last
+    `window` tokens are always chosen; the rest by their Quest bound. On the CPU the C
+    kernel (kernels/cpu_select.c) does it in one call."""
     B, W = tables.shape
+    if use_kernel:
+        picked = cpu_kernels.select_pages(q, summary, tables, lens, block_size, sink, window, K)
+        if picked is not None:
+            return picked
     n = summary.shape[1]
     lens = lens.to(torch.int64)
     pages = (lens + block_size - 1) // block_size                       # [B]
@@ -94,9 +136,6 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     forced = (p[None] * block_size < sink) | ((p[None] + 1) * block_size > (lens - window)[:, None])
     valid = p[None] < pages[:, None]                                    # [B, W]
     forced &= valid
-    K = min(W, max(budget // block_size, int(forced.sum(1).max())))
-    if int(pages.max()) <= K:
-        return None
     s = page_bounds(q.view(B, n, -1, q.shape[-1]), summary[tables.long()])  # [B, n, W]
     s = s.masked_fill(forced[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
     top, idx = s.topk(K, dim=-1)                                        # [B, n, K]
@@ -123,9 +162,12 @@ def torch_decode(q, group, picked, block_size: int, scale: float) -> torch.Tenso
     B, H, D = q.shape
     out = torch.empty_like(q)
     if usable(q, group.k):  # the C kernel, one call per head with its own page table
-        for h in range(n):
-            pool_call(group.k[h:h + 1], group.v[h:h + 1], block_size, H // n, head=h)(
-                q, out, tables[h], lens[h], scale)
+        calls = group.state.get("calls")
+        if calls is None:
+            calls = group.state["calls"] = [pool_call(group.k[h:h + 1], group.v[h:h + 1], block_size, H // n, head=h)
+                                            for h in range(n)]
+        for h, call in enumerate(calls):
+            call(q, out, tables[h], lens[h], scale)
         return out
     K = tables.shape[-1]
     slots = (tables.long()[..., None] * block_size + torch.arange(block_size)).view(n, B, K * block_size)

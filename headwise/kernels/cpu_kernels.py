@@ -147,6 +147,42 @@ def matmul_library() -> ctypes.CDLL | None:
     return lib
 
 
+@functools.cache
+def select_library() -> ctypes.CDLL | None:
+    """Page selection of select heads (cpu_select.c), or None."""
+    lib = _load("cpu_select")
+    if lib is not None:
+        lib.select_pages.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int,
+                                     _ptr, _i64, _ptr] + [_i64] * 8 + [_ptr, _ptr]
+        lib.select_pages.restype = ctypes.c_int
+    return lib
+
+
+def select_pages(q: torch.Tensor, summary: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
+                 block: int, sink: int, window: int, K: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """cpu_select.c: q [B, n*g, D] and summary [blocks, n, 2, D] (float32 or bfloat16, unit
+    inner stride; D a multiple of 16, g at most 16), table [B, W] int32, lens [B] int64 -> (tables [n, B, K], lens [n, B])
+    int32; None where the library or these inputs do not fit it."""
+    lib = select_library()
+    if (lib is None or q.device.type != "cpu" or q.dtype not in DTYPES or summary.dtype not in DTYPES
+            or q.stride(-1) != 1 or summary.stride(-1) != 1 or summary.stride(-2) != summary.shape[-1]
+            or table.dtype != torch.int32 or table.stride(-1) != 1 or q.shape[-1] % 16
+            or q.shape[1] // summary.shape[1] > 16):
+        return None
+    B, H, D = q.shape
+    n = summary.shape[1]
+    lens = lens.to(torch.int64).contiguous()
+    out_t = torch.empty(n, B, K, dtype=torch.int32)
+    out_l = torch.empty(n, B, dtype=torch.int32)
+    rc = lib.select_pages(q.data_ptr(), q.stride(0), q.stride(1), DTYPES[q.dtype],
+                          summary.data_ptr(), summary.stride(0), summary.stride(1), DTYPES[summary.dtype],
+                          table.data_ptr(), table.stride(0), lens.data_ptr(), B, n, H // n, D, block, sink,
+                          window, K, out_t.data_ptr(), out_l.data_ptr())
+    if rc:
+        raise RuntimeError(f"cpu_select.select_pages failed ({rc})")
+    return out_t, out_l
+
+
 def takes(compute: torch.dtype, values: torch.dtype, scales: torch.dtype | None, head_dim: int) -> bool:
     """Whether the kernel attends a cache stored so, for a model computing in `compute`:
     float32 or bfloat16 compute, values stored as computed or int8 with scales in the

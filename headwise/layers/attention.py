@@ -14,7 +14,7 @@ do eagerly, and the code around them is compiled.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
@@ -53,6 +53,7 @@ class HeadGroup:
     budget: int = 0                 # select classes: tokens attended per decode step
     summary: torch.Tensor | None = None  # classes with page summaries: [num_blocks, n, 2, D]
                                          # per-channel key min and max of each block
+    state: dict = field(default_factory=dict)  # what the class keeps per group (its kernel calls)
 
     @property
     def num_heads(self) -> int:
