@@ -117,3 +117,22 @@ def test_prefix_bench_counts_resident_documents():
     full_n, full_per = resident_documents(HeadLayout.full(shape), budget, 3000, 2, torch.float32, num_docs=30)
     split_n, split_per = resident_documents(split, budget, 3000, 2, torch.float32, num_docs=30)
     assert 0 < full_n < split_n and split_per < full_per
+
+
+def test_select_benchmark_measures_each_layout(tiny_models, tmp_path):
+    from benchmarks import bench_select
+    from headwise import HeadLayout
+    from headwise.heads.layout import HeadSpec
+
+    path = str(tiny_models["llama"])
+    lay = HeadLayout.uniform("sel", (2, 2, 16), HeadSpec("select", 4, 8, 32))
+    lay.save(tmp_path / "sel.json")
+    out = tmp_path / "bench"
+    assert bench_select.main(["--model", path, "--layouts", f"full,{tmp_path / 'sel.json'}", "--contexts", "64,200",
+                              "--batches", "1,2", "--steps", "2", "--rounds", "1", "--out-dir", str(out)]) == 0
+    rows = json.loads((out / "results.json").read_text())["rows"]
+    assert [(r["layout"], r["context"]) for r in rows] == [("full", 64), ("sel", 64), ("full", 200), ("sel", 200)]
+    assert all(r["batch1_tok_s"] > 0 and r["batch2_tok_s"] > 0 for r in rows)
+    # select heads keep every token: full's K/V bytes, plus a min/max summary per block and head
+    assert rows[3]["kv_bytes_per_seq"] > rows[2]["kv_bytes_per_seq"]
+    assert "| sel | 4 select of 4 KV heads | 200 |" in (out / "results.md").read_text()
