@@ -171,7 +171,7 @@ def test_select_from_stored_scores(tmp_path, capsys):
     out = tmp_path / "sel.json"
     rc = main(["calibrate", "--from-scores", str(tmp_path / "cal.json"), "--full-fraction", "0.5",
                "--sink", "2", "--window", "32", "--name", "top3", "--out", str(out)])
-    assert rc == 0 and "3 of 6" in capsys.readouterr().out
+    assert rc == 0 and "3 full, 3 window of 6 KV heads" in capsys.readouterr().out
     sel = HeadLayout.load(out)
     full = {(l, h) for l in range(2) for h in range(3) if sel.heads[l][h].kind == "full"}
     assert full == {(0, 0), (1, 1), (0, 2)}  # scores 0.9, 0.8, 0.5

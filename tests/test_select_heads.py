@@ -278,3 +278,37 @@ def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
             rest = sorted(set(range(P)) - forced, key=lambda p: -float(bounds[b, h, p]))
             assert set(pages) == forced | set(rest[:len(pages) - len(forced)])
             assert int(sel_lens[h, b]) == (len(pages) - 1) * BS + int(lens[b]) - (P - 1) * BS
+
+
+def test_a_next_turn_over_generated_tokens_equals_computing_from_scratch(llama):
+    """A prompt that repeats an earlier answer: the answer's K/V were decoded with page
+    selection, so its blocks are not offered as a prefix (the prompt's are); the next
+    turn computes them as a prompt, as an engine without a prefix cache does."""
+    shape = LLM(llama, head_layout="full", kv_cache_memory=1 << 24).layout.shape
+    layout = layout_with(shape, HeadSpec("select", 4, 8, 32), HeadSpec("window", 4, 8))
+    opts = dict(head_layout=layout, kv_cache_memory=1 << 24, dtype="float32")
+    cached, plain = LLM(llama, enable_prefix_caching=True, **opts), LLM(llama, enable_prefix_caching=False, **opts)
+    doc = prompt(cached, 140)
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
+    first = cached.generate([doc], params)[0]
+    turn = doc + first.token_ids + cached.tokenizer.encode(" And then?", add_special_tokens=False)
+    got, want = cached.generate([turn], params)[0], plain.generate([turn], params)[0]
+    assert 128 <= got.num_cached_tokens <= len(doc)  # the prompt's blocks, none of the answer's
+    assert got.token_ids == want.token_ids
+    assert max(abs(a - b) for a, b in zip(got.logprobs, want.logprobs)) < 1e-4
+
+
+def test_calibrate_cli_makes_select_heads(llama, tmp_path, capsys):
+    from headwise.cli import main
+
+    shape = LLM(llama, head_layout="full", kv_cache_memory=1 << 24).layout.shape
+    HeadLayout.full(shape, "tiny").save(tmp_path / "full.json")
+    out = tmp_path / "sel.json"
+    rc = main(["calibrate", "--model", llama, "--select-from", str(tmp_path / "full.json"), "--budget", "48",
+               "--window", "16", "--sink", "4", "--recall", "0.01", "--samples", "2", "--lengths", "300",
+               "--kv-cache-memory", str(1 << 24), "--out", str(out)])
+    assert rc == 0 and "4 select of 4 KV heads" in capsys.readouterr().out
+    assert {str(s) for row in HeadLayout.load(out).heads for s in row} == {"select (budget 48, sink 4, window 16)"}
+    rc = main(["calibrate", "--model", llama, "--select-from", "native", "--out", str(tmp_path / "n.json")])
+    assert rc != 0 and "no native layout" in capsys.readouterr().err
+    assert not (tmp_path / "n.json").exists()

@@ -167,7 +167,11 @@ class KVCacheManager:
         if books is None:
             return
         bs = self.block_size
-        nfull = num_computed // bs
+        # Blocks past the prompt hold K/V that select heads' decode computed with page
+        # selection, which a later prompt computing them afresh would not: they are not
+        # offered to other requests (the prefix cache equals computing from scratch).
+        upto = min(num_computed, books.hit.num_prompt) if self.geometry.summary_heads else num_computed
+        nfull = upto // bs
         h, done = books.hashes, books.num_registered
         if nfull > done:
             toks = token_ids(done * bs, nfull * bs)

@@ -96,7 +96,9 @@ class SnapshotPolicy:
             return
         if num_computed in books.hit.points:
             self._save_point(books, num_computed, self.ring.slot(seq_id), token_ids)
-        elif num_computed >= books.hit.num_prompt:  # decoding: keep only the latest
+        elif num_computed >= books.hit.num_prompt and num_computed // bs <= len(books.hashes):
+            # decoding: keep only the latest (not where the manager registers no block past
+            # the prompt: layouts with select heads)
             old = self.index.snapshots.get(books.rolling)
             if old is not None and not old.anchor:  # (one that served a hit stays)
                 self.index.drop_snapshot(books.rolling)
