@@ -29,6 +29,9 @@ class SelectHeads(FullHeads):
     fused_decode = False  # per-head page tables: the layer's one-call decode does not apply
     page_summary = True
 
+    def __init__(self) -> None:
+        self._step = None  # (the step's context, what every select group of it shares)
+
     def check(self, spec) -> None:
         for p, low in (("sink", 0), ("window", 1), ("budget", 1)):
             v = getattr(spec, p)
@@ -39,9 +42,6 @@ class SelectHeads(FullHeads):
 
     def describe(self, spec) -> str:
         return f"select (budget {spec.budget}, sink {spec.sink}, window {spec.window})"
-
-    def __init__(self) -> None:
-        self._step = None  # (the step's context, what every select group of it shares)
 
     def _shared(self, ctx) -> dict:
         """Per step, computed once for all layers: the blocks the step writes, the decode
