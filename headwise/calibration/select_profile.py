@@ -16,7 +16,7 @@ from tqdm import tqdm
 
 from headwise.calibration.samples import make_samples
 from headwise.heads.layout import HeadLayout, HeadSpec
-from headwise.heads.select import page_bounds
+from headwise.heads.select import page_count, select_pages
 from headwise.llm import LLM
 
 DEFAULT_RECALL = 0.9
@@ -51,15 +51,20 @@ class _RecallProbe:
         pad = torch.cat((kk, kk[-1:].expand(P * bs - T, n, D)))          # last page padded with its last key
         pages = pad.view(P, bs, n, D)
         summary = torch.stack((pages.amin(1), pages.amax(1)), 2)          # [P, n, 2, D]
-        bound = page_bounds(qq, summary[None].expand(R, P, n, 2, D))      # [R, n, P]
+        # The pages decode would choose, each answer row a sequence of rows + 1 tokens
+        # whose block table is pages 0..P-1 (heads.select, its PyTorch path).
         lens = rows + 1
-        pi = torch.arange(P)
-        valid = pi[None] * bs < lens[:, None]
-        forced = valid & ((pi[None] * bs < self.sink) | ((pi[None] + 1) * bs > (lens - self.window)[:, None]))
-        K = min(P, max(self.budget // bs, int(forced.sum(1).max())))
-        bound = bound.masked_fill(forced[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
-        top, idx = bound.topk(K, dim=-1)
-        chosen = torch.zeros(R, n, P, dtype=torch.bool).scatter_(2, idx, top > float("-inf"))
+        tables = torch.arange(P, dtype=torch.int32)[None].expand(R, P).contiguous()
+        K = page_count(lens.tolist(), P, bs, self.sink, self.window, self.budget)
+        if K is None:  # every page fits the budget
+            chosen = torch.ones(R, n, P, dtype=torch.bool)
+        else:
+            picked, counts = select_pages(q[rows].float(), summary, tables, lens, bs, self.sink, self.window, K,
+                                          use_kernel=False)  # [n, R, K] pages, [n, R] tokens
+            used = torch.arange(K)[None, None] < (-(-counts.long() // bs))[..., None]  # [n, R, K]
+            # max, not overwrite: an unused entry may repeat a chosen page
+            chosen = torch.zeros(R, n, P, dtype=torch.int8).scatter_reduce_(
+                2, picked.long().transpose(0, 1), used.transpose(0, 1).to(torch.int8), "amax").bool()
         tokens = chosen.repeat_interleave(bs, dim=2)[..., :T]             # [R, n, T]
         recall = (p * tokens[:, :, None]).sum(-1).mean((0, 2))           # [n]
         for pos, head in enumerate(self.order):
