@@ -2,6 +2,8 @@
 scaled embeddings, query_pre_attn_scalar, sliding layers with their own rotary base), the
 native layout and the checks on other layouts, the GGUF reader, and the real 270M GGUF
 against transformers on the same file."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -10,6 +12,8 @@ from headwise import LLM, HeadLayout, SamplingParams
 from headwise.heads.layout import HeadSpec, LayoutError
 from headwise.config import ConfigError
 from headwise.models.config import ModelConfig, gemma3_layer_types
+from headwise.tokenizer import DIRECT_MARK, Tokenizer, _direct_checked, _direct_load, _same_tokenizer, _versions
+from headwise.weights.loader import default_model_path
 from headwise.weights.gguf_file import GGUFFile, GGUFFormatError
 from tests.conftest import assert_batched_equals_single, make_tiny_model
 
@@ -114,8 +118,6 @@ def test_config_defaults_and_errors():
 
 def test_gguf_reader_matches_gguf_package(tmp_path):
     from gguf import GGUFReader
-
-    from headwise.weights.loader import default_model_path
 
     path = default_model_path()
     ours, ref = GGUFFile(path), GGUFReader(str(path))
@@ -330,9 +332,6 @@ def test_prefix_cache_int8_and_server_on_gemma(tiny_gemma):
 
 
 def test_gguf_tokenizer_is_cached_once(tmp_path):
-    from headwise.tokenizer import Tokenizer
-    from headwise.weights.loader import default_model_path
-
     path = default_model_path()
     text = "Hello world, the special magic number for Paris is 12345.\n\nünïcode 日本"
     first = Tokenizer.from_path(path.parent, path.name, cache=tmp_path)
@@ -343,8 +342,30 @@ def test_gguf_tokenizer_is_cached_once(tmp_path):
     assert again.decode(first.encode(text)) == first.decode(first.encode(text))
     assert again.apply_chat_template([{"role": "user", "content": "hi"}]) == \
         first.apply_chat_template([{"role": "user", "content": "hi"}])
+    # The entry was checked to load directly (the Rust tokenizer from its tokenizer.json),
+    # and is reloaded that way, as transformers' class would have built it.
+    mark = saved[0] / DIRECT_MARK
+    assert json.loads(mark.read_text()) == _versions()
+    assert again.hf.get_vocab() == first.hf.get_vocab() and type(again.hf).__name__ == "TokenizersBackend"
+    mark.write_text(json.dumps({"transformers": "0.0"}))  # checked by other versions: not trusted,
+    assert not _direct_checked(saved[0])
+    assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
+    assert _direct_checked(saved[0])  # checked again by these
     (saved[0] / "tokenizer_config.json").write_text("{not json")  # a damaged cache entry is rebuilt
     assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
+
+
+def test_a_direct_load_that_differs_is_not_trusted(tmp_path):
+    path = default_model_path()
+    hf = Tokenizer.from_path(path.parent, path.name, cache=tmp_path).hf
+    saved = next((tmp_path / "tokenizers").iterdir())
+    assert _same_tokenizer(hf, _direct_load(saved))
+    (saved / "chat_template.jinja").write_text("{{ messages[0]['content'] }}")  # another template
+    assert not _same_tokenizer(hf, _direct_load(saved))
+    (saved / "chat_template.jinja").unlink()
+    cfg = json.loads((saved / "tokenizer_config.json").read_text())
+    (saved / "tokenizer_config.json").write_text(json.dumps(dict(cfg, eos_token="<|endoftext|>")))  # another eos
+    assert not _same_tokenizer(hf, _direct_load(saved))
 
 
 def test_native_keyword_resolves_for_any_model():
