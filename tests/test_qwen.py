@@ -1,13 +1,22 @@
 """Qwen2.5-Coder-0.5B-Instruct (GQA, 14 query / 2 KV heads, 24 blocks) by its known name,
 assembled from its chunk packages: its chat template and stop token come from the GGUF as
 transformers reads them, greedy output equals transformers' on the same file, and a
-prefix-cache hit computes the same tokens as a cold run. Short prompts only (load time)."""
+prefix-cache hit computes the same tokens as a cold run; with its gate-calibrated layout,
+prefix hits, the disk tier, the server and int8 KV work. Prompts of at most ~1K tokens
+(load and prefill time)."""
+from pathlib import Path
+
 import pytest
 import torch
+from fastapi.testclient import TestClient
 
 from headwise import LLM, SamplingParams
+from headwise.evaluation.sources import LICENSE_DIR
+from headwise.server.app import create_app
 
 NAME = "qwen2.5-coder-0.5b"
+LAYOUT = Path(__file__).resolve().parents[1] / "headwise/layouts/qwen2.5-coder-0.5b-instruct-gates-50-w512.json"
+LICENSE = LICENSE_DIR / "Apache-2.0"
 CHAT = [{"role": "user", "content": "Write a Python function that returns the square of a number."}]
 
 
@@ -49,3 +58,33 @@ def test_greedy_matches_transformers_and_prefix_hits_change_nothing(qwen):
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(ids):].tolist()
     assert cold.token_ids == ref
+
+
+def test_split_layout_prefix_hits_disk_tier_server_and_int8(qwen, tmp_path):
+    """The shipped-candidate layout (gates 50%, window 512): a prefix hit past the window
+    (ring snapshots restored), the same prefix read back from the disk tier by a new
+    engine, and the server's completion all equal the first, cold run; int8 KV answers."""
+    doc = LICENSE.read_text()[:3200]  # ~700 tokens: past sink + window
+    opts = dict(head_layout=str(LAYOUT), dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=2,
+                kv_cache_memory=1 << 27)
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    first = doc + "\n\nWhich license is this?"
+    llm = LLM(NAME, kv_offload_dir=str(tmp_path), **opts)
+    assert llm.layout.class_counts()["window"] > 0
+    cold = llm.generate([first], params)[0]  # nothing cached yet
+    hit = llm.generate([first], params)[0]
+    assert hit.num_cached_tokens > 64 + 512 and hit.token_ids == cold.token_ids
+    llm.engine.cache.tier.flush()
+    llm.close()
+    again = LLM(NAME, kv_offload_dir=str(tmp_path), **opts)  # memory empty: the prefix comes from disk
+    from_disk = again.generate([first], params)[0]
+    assert from_disk.num_cached_tokens > 64 + 512 and from_disk.token_ids == cold.token_ids
+    assert again.engine.cache.tier.stats.hit_tokens > 0
+    r = TestClient(create_app(again.engine)).post(
+        "/v1/completions", json={"prompt": first, "max_tokens": 8, "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == cold.text, r.text
+    q = LLM(NAME, kv_cache_dtype="int8", **opts)
+    assert q.kv_bytes(2048) < 0.3 * again.kv_bytes(2048)
+    out = q.chat([{"role": "user", "content": "What is 2 + 3? Reply with the number only."}],
+                 SamplingParams(max_tokens=16))[0]
+    assert out.text.strip() == "5", out.text
