@@ -10,8 +10,8 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-# Written beside a cached tokenizer once the direct load (_direct_load) was checked to
-# tokenize as the model's own tokenizer class does; it names the versions checked.
+# Written beside a cached tokenizer once its direct load (_direct_load) was compared with
+# the model's own tokenizer class: the library versions compared and whether it was the same.
 DIRECT_MARK = "headwise-direct-load.json"
 _SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "mask_token", "sep_token", "cls_token")
 # Text the two loads must agree on: prose, digits, whitespace runs, non-Latin scripts.
@@ -42,10 +42,12 @@ class Tokenizer:
         saved = Path(cache) / "tokenizers" / f"{gguf.stem}-{key}"
         if saved.is_dir():
             try:
-                if _direct_checked(saved):
+                verdict = _direct_verdict(saved)
+                if verdict:
                     return cls(_direct_load(saved))
                 hf = AutoTokenizer.from_pretrained(str(saved))
-                _check_direct(hf, saved)  # an entry written before the check: once
+                if verdict is None:  # an entry written before the check, or by other versions
+                    _check_direct(hf, saved)
                 return cls(hf)
             except (OSError, ValueError) as e:
                 log.warning("cached tokenizer %s is unreadable (%s); rebuilding it", saved, e)
@@ -86,7 +88,7 @@ class Tokenizer:
 # rebuilds the vocabulary through the model's tokenizer class: ~4 s of Gemma 3's 4.8 s
 # warm start (262K tokens). The saved tokenizer.json already holds the whole pipeline the
 # class built, so the Rust tokenizer loads it directly; whether that tokenizes exactly as
-# the class does is checked once, when the cache entry is written.
+# the class does is checked once per entry and library versions (_check_direct).
 
 def _versions() -> dict[str, str]:
     import tokenizers
@@ -95,20 +97,31 @@ def _versions() -> dict[str, str]:
     return {"transformers": transformers.__version__, "tokenizers": tokenizers.__version__}
 
 
-def _direct_checked(saved: Path) -> bool:
-    mark = saved / DIRECT_MARK
+def _direct_verdict(saved: Path) -> bool | None:
+    """The check's verdict on `saved` under these library versions; None: not checked."""
     try:
-        return mark.is_file() and json.loads(mark.read_text()) == _versions()
-    except ValueError:
-        return False
+        mark = json.loads((saved / DIRECT_MARK).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(mark, dict) or mark.get("versions") != _versions():
+        return None
+    return mark.get("same") is True
 
 
 def _check_direct(hf, saved: Path) -> None:
-    """Mark `saved` for direct loads if one tokenizes as `hf` does."""
-    if _same_tokenizer(hf, _direct_load(saved)):
-        tmp = saved / f".{DIRECT_MARK}.{os.getpid()}"
-        tmp.write_text(json.dumps(_versions()))
+    """Record in `saved` whether its direct load tokenizes as `hf` does (a failing direct
+    load counts as not the same), so the check runs once per entry and versions."""
+    try:
+        same = _same_tokenizer(hf, _direct_load(saved))
+    except Exception as e:  # any failure of the direct load means: keep transformers' load
+        log.info("direct tokenizer load not used: %s", e)
+        same = False
+    tmp = saved / f".{DIRECT_MARK}.{os.getpid()}"
+    try:
+        tmp.write_text(json.dumps({"versions": _versions(), "same": same}))
         os.replace(tmp, saved / DIRECT_MARK)
+    except OSError as e:  # a read-only cache: the check runs again next start, nothing worse
+        log.info("could not record the tokenizer check in %s: %s", saved, e)
 
 
 def _direct_load(saved: Path):
@@ -138,19 +151,15 @@ def _same_tokenizer(a, b) -> bool:
         return t.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
                                      tokenize=False, add_generation_prompt=True)
 
-    try:
-        if a.get_vocab() != b.get_vocab() or sorted(a.all_special_ids) != sorted(b.all_special_ids):
-            return False
-        if (a.eos_token_id, a.bos_token_id, a.pad_token_id) != (b.eos_token_id, b.bos_token_id, b.pad_token_id):
-            return False
-        text = _PROBE + " ".join(a.all_special_tokens) + _PROBE
-        for special in (True, False):
-            ids = a(text, add_special_tokens=special)["input_ids"]
-            if ids != b(text, add_special_tokens=special)["input_ids"]:
-                return False
-            if any(a.decode(ids, skip_special_tokens=s) != b.decode(ids, skip_special_tokens=s) for s in (True, False)):
-                return False
-        return chat(a) == chat(b)
-    except Exception as e:  # any failure of the direct load means: keep transformers' load
-        log.info("direct tokenizer load not used: %s", e)
+    if a.get_vocab() != b.get_vocab() or sorted(a.all_special_ids) != sorted(b.all_special_ids):
         return False
+    if (a.eos_token_id, a.bos_token_id, a.pad_token_id) != (b.eos_token_id, b.bos_token_id, b.pad_token_id):
+        return False
+    text = _PROBE + " ".join(a.all_special_tokens) + _PROBE
+    for special in (True, False):
+        ids = a(text, add_special_tokens=special)["input_ids"]
+        if ids != b(text, add_special_tokens=special)["input_ids"]:
+            return False
+        if any(a.decode(ids, skip_special_tokens=s) != b.decode(ids, skip_special_tokens=s) for s in (True, False)):
+            return False
+    return chat(a) == chat(b)

@@ -12,7 +12,7 @@ from headwise import LLM, HeadLayout, SamplingParams
 from headwise.heads.layout import HeadSpec, LayoutError
 from headwise.config import ConfigError
 from headwise.models.config import ModelConfig, gemma3_layer_types
-from headwise.tokenizer import DIRECT_MARK, Tokenizer, _direct_checked, _direct_load, _same_tokenizer, _versions
+from headwise.tokenizer import DIRECT_MARK, Tokenizer, _check_direct, _direct_load, _direct_verdict, _same_tokenizer, _versions
 from headwise.weights.loader import default_model_path
 from headwise.weights.gguf_file import GGUFFile, GGUFFormatError
 from tests.conftest import assert_batched_equals_single, make_tiny_model
@@ -344,12 +344,12 @@ def test_gguf_tokenizer_is_cached_once(tmp_path):
     # The entry was checked to load directly (the Rust tokenizer from its tokenizer.json),
     # and is reloaded that way, as transformers' class would have built it.
     mark = saved[0] / DIRECT_MARK
-    assert json.loads(mark.read_text()) == _versions()
+    assert json.loads(mark.read_text()) == {"versions": _versions(), "same": True}
     assert again.hf.get_vocab() == first.hf.get_vocab() and type(again.hf).__name__ == "TokenizersBackend"
-    mark.write_text(json.dumps({"transformers": "0.0"}))  # checked by other versions: not trusted,
-    assert not _direct_checked(saved[0])
+    mark.write_text(json.dumps({"versions": {"transformers": "0.0"}, "same": True}))  # other versions: not trusted,
+    assert _direct_verdict(saved[0]) is None
     assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
-    assert _direct_checked(saved[0])  # checked again by these
+    assert _direct_verdict(saved[0]) is True  # checked again by these
     (saved[0] / "tokenizer_config.json").write_text("{not json")  # a damaged cache entry is rebuilt
     assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
 
@@ -365,6 +365,8 @@ def test_a_direct_load_that_differs_is_not_trusted(tmp_path):
     cfg = json.loads((saved / "tokenizer_config.json").read_text())
     (saved / "tokenizer_config.json").write_text(json.dumps(dict(cfg, eos_token="<|endoftext|>")))  # another eos
     assert not _same_tokenizer(hf, _direct_load(saved))
+    _check_direct(hf, saved)
+    assert _direct_verdict(saved) is False  # recorded: not compared again at every start
 
 
 def test_native_keyword_resolves_for_any_model():

@@ -64,7 +64,7 @@ def test_split_layout_prefix_hits_disk_tier_server_and_int8(qwen, tmp_path):
     """The shipped-candidate layout (gates 50%, window 512): a prefix hit past the window
     (ring snapshots restored), the same prefix read back from the disk tier by a new
     engine, and the server's completion all equal the first, cold run; int8 KV answers."""
-    doc = LICENSE.read_text()[:3200]  # ~700 tokens: past sink + window
+    doc = LICENSE.read_text()[:3200]  # ~650 tokens: past sink + window
     opts = dict(head_layout=str(LAYOUT), dtype="float32", enforce_eager=True, max_model_len=2048, max_num_seqs=2,
                 kv_cache_memory=1 << 27)
     params = SamplingParams(max_tokens=8, ignore_eos=True)
