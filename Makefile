@@ -30,8 +30,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	.venv/bin/headwise demo
 
+# Two workers, a test file each at a time (module fixtures load their model once).
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PY) -m pytest -n 2 --dist loadfile tests
 
 # The quality suite (docs/quality.md): every family x length x 5 depths x 3 seeds, full
 # attention against the shipped layout, 95% intervals and the verdict (about an hour here).

@@ -179,7 +179,10 @@ def test_unknown_model_name_lists_known_ones():
 # ---- the real model: Gemma 3 270M (base), GGUF Q4_K_M from PyPI -------------------------
 @pytest.fixture(scope="module")
 def gemma_f32():
-    return LLM("gemma-3-270m", dtype="float32", kv_cache_memory=1 << 30, max_num_batched_tokens=1024)
+    # Eager: compiled decode equals eager decode (tests/test_decode_capture.py, tiny Gemma 3
+    # included); compiling this model's step would add ~15-25 s.
+    return LLM("gemma-3-270m", dtype="float32", kv_cache_memory=1 << 30, max_num_batched_tokens=1024,
+               enforce_eager=True)
 
 
 def _prose_ids(tokenizer, n: int) -> list[int]:

@@ -18,7 +18,9 @@ CHAT = [{"role": "user", "content": "Alice is 31 and lives in Paris. Give her as
 
 @pytest.fixture(scope="module")
 def server():
-    with running_server(None, kv_cache_memory=1 << 26, max_model_len=1024) as s:
+    # Eager: what is tested is the API, and compiling the bfloat16 decode step for it
+    # would cost a fresh machine ~80 s (tests/test_decode_capture.py tests the compile).
+    with running_server(None, kv_cache_memory=1 << 26, max_model_len=1024, enforce_eager=True) as s:
         yield s[0]
 
 
