@@ -202,14 +202,13 @@ def test_gemma_270m_matches_transformers_on_the_same_gguf(gemma_f32):
     hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
                                               dtype=torch.float32).eval()
     ids = _prose_ids(gemma_f32.tokenizer, 2100)
-    ours = gemma_f32.engine.prompt_logits(ids, positions=[1023, 2099])  # 1024-token chunks
+    # Three 1024-token chunks, each past the sliding layers' window; then decode past
+    # SPLIT_MIN_LEN, where the full heads are attended in pieces.
+    ours = gemma_f32.engine.prompt_logits(ids, positions=[2099])
     with torch.no_grad():
-        ref1k = hf(torch.tensor([ids[:1024]])).logits[0, -1]
-        # past SPLIT_MIN_LEN: decode attends the full heads in pieces
         ref = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, eos_token_id=None,
                           pad_token_id=0, output_logits=True, return_dict_in_generate=True)
-    assert (ours[0] - ref1k).abs().max().item() < 1e-4  # 1K: the sliding layers already drop tokens
-    assert (ours[1] - ref.logits[0][0]).abs().max().item() < 1e-4  # 2K, the prompt's last token
+    assert (ours[0] - ref.logits[0][0]).abs().max().item() < 1e-4  # the prompt's last token
     want = ref.sequences[0, len(ids):].tolist()
     got = gemma_f32.generate([ids], SamplingParams(max_tokens=12, ignore_eos=True))[0].token_ids
     assert got == want
