@@ -143,7 +143,7 @@ def resident_documents(layout, budget: int, doc_tokens: int, max_num_seqs: int, 
         resident = sum(cache.match_prefix(f).num_tokens >= 0.95 * doc_tokens for f in follow)
         if resident > best:
             usage = cache.usage()
-            best, per_doc = resident, (usage["full"]["cached_bytes"] + usage["window"]["cached_bytes"]) / resident
+            best, per_doc = resident, (usage["paged"]["cached_bytes"] + usage["ring"]["cached_bytes"]) / resident
     return best, per_doc
 
 

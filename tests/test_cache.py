@@ -30,20 +30,20 @@ def test_full_layout_block_tables_exact():
     layout = HeadLayout.full((2, 2, 8))
     block_bytes = 2 * 4 * 4 * 8 * 4  # K+V, 4 full heads, 4 tokens, D=8, fp32
     m = _manager(layout, 5 * block_bytes)
-    assert m.full.blocks.num_blocks == 5 and m.ring.total_bytes == 0
+    assert m.paged.blocks.num_blocks == 5 and m.ring.total_bytes == 0
     m.allocate(10, 5)           # 5 tokens -> 2 blocks
     m.allocate(11, 4)           # 1 block
-    assert m.full.tables == {10: [0, 1], 11: [2]}
+    assert m.paged.tables == {10: [0, 1], 11: [2]}
     assert m.can_append(10, 12) and not m.can_append(10, 21)
     m.append(10, 12)            # grows to 3 blocks
-    assert m.full.tables[10] == [0, 1, 3]
+    assert m.paged.tables[10] == [0, 1, 3]
     assert m.slot_mapping(10, 6, 9) == [1 * 4 + 2, 1 * 4 + 3, 3 * 4 + 0]
     m.free(10)
     m.allocate(12, 16)
     # never-used block 4, then 10's blocks (freed tail first); a table is ascending
-    assert m.full.tables[12] == [0, 1, 3, 4]
+    assert m.paged.tables[12] == [0, 1, 3, 4]
     m.free(11), m.free(12)
-    assert m.full.blocks.num_free == 5 and m.usage()["full"]["used_bytes"] == 0
+    assert m.paged.blocks.num_free == 5 and m.usage()["paged"]["used_bytes"] == 0
 
 
 def test_no_leaked_blocks_after_many_sequences():
@@ -59,7 +59,7 @@ def test_no_leaked_blocks_after_many_sequences():
         live[sid] = sid
     for sid in list(live):
         m.free(sid)
-    assert m.full.blocks.num_free == 16 and not m.full.tables
+    assert m.paged.blocks.num_free == 16 and not m.paged.tables
 
 
 def test_mixed_layout_storage_and_kv_bytes():
@@ -71,17 +71,17 @@ def test_mixed_layout_storage_and_kv_bytes():
     block = 2 * 1 * 4 * 8 * 4
     m = _manager(layout, 3 * ring_seq + 10 * block, max_num_seqs=3)
     assert m.ring.total_bytes == 3 * ring_seq
-    assert m.full.blocks.num_blocks == 10
+    assert m.paged.blocks.num_blocks == 10
     kv = KVStorage(m.geometry, m.num_blocks, m.num_ring_slots)
-    assert kv.full_k.shape == (1, 40, 8)  # only the one full head is stored
+    assert kv.paged_k.shape == (1, 40, 8)  # only the one full head is stored
     assert m.kv_bytes(9) == 3 * block + ring_seq
     m.allocate(1, 9)
     m.allocate(2, 1)
     assert m.ring.slot_of == {1: 0, 2: 1}
-    assert m.usage()["window"]["used_bytes"] == 2 * ring_seq
-    assert m.usage()["full"]["used_bytes"] == 4 * block
+    assert m.usage()["ring"]["used_bytes"] == 2 * ring_seq
+    assert m.usage()["paged"]["used_bytes"] == 4 * block
     # the storage the runner allocates is exactly what the books count
-    assert kv.nbytes == m.ring.total_bytes + m.full.total_bytes
+    assert kv.nbytes == m.ring.total_bytes + m.paged.total_bytes
     m.allocate(3, 1)
     assert not m.can_allocate(1)  # ring pool is the limit now
     m.free(2)
@@ -113,7 +113,7 @@ def test_reallocated_blocks_form_one_run():
     m.allocate(1, 32)
     m.free(1)
     m.allocate(2, 32)
-    assert m.full.tables[2] == list(range(8)) and m.slot_runs(2, 32) == [(0, 32)]
+    assert m.paged.tables[2] == list(range(8)) and m.slot_runs(2, 32) == [(0, 32)]
 
 
 @pytest.mark.parametrize("kind,kv_dtype", [("mixed", "auto"), ("mixed", "int8"), ("window", "auto")])
@@ -127,7 +127,7 @@ def test_pages_and_ring_snapshots_round_trip_over_scattered_pages(kind, kv_dtype
     m = KVCacheManager(layout, 4, 1 << 16, 3, F32, enable_prefix_caching=True, kv_cache_dtype=kv_dtype)
     kv = KVStorage(m.geometry, m.num_blocks, m.num_ring_slots, page_bytes=m.page_bytes, compute_dtype=F32)
     g = torch.Generator().manual_seed(0)
-    for t in (kv.full_kv, kv.full_k_scale, kv.full_v_scale, kv.rings, kv.ring_scales, kv.pages):
+    for t in (kv.paged_kv, kv.paged_k_scale, kv.paged_v_scale, kv.rings, kv.ring_scales, kv.pages):
         if t is not None and t.numel():
             t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),),
                                                              generator=g, dtype=torch.uint8))

@@ -18,7 +18,7 @@ def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
     assert a.heads == b.heads and a.scores == b.scores
     assert a.shape == (2, 2, 16)
     assert len(a.scores) == 2 and all(len(r) == 2 for r in a.scores)
-    assert sum(a.num_full(l) for l in range(2)) == 2  # 50% of 4 KV heads
+    assert sum(a.num_paged(l) for l in range(2)) == 2  # 50% of 4 KV heads
     assert all(s.window == 16 and s.sink == 4 for row in a.heads for s in row if s.kind == "window")
     f = tmp_path / "cal.json"
     a.save(f)
@@ -36,7 +36,7 @@ def test_every_method_is_deterministic_and_keeps_the_fraction(tiny_models, metho
     a = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
     b = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
     assert a.heads == b.heads and a.scores == b.scores
-    assert sum(a.num_full(l) for l in range(2)) == 2
+    assert sum(a.num_paged(l) for l in range(2)) == 2
     assert a.name == f"calibrated-{method}-0.5"
     flat = sorted(((x, (l, h)) for l, row in enumerate(a.scores) for h, x in enumerate(row)), reverse=True)
     assert {lh for _, lh in flat[:2]} == {(l, h) for l in range(2) for h in range(2) if a.heads[l][h].kind == "full"}
@@ -55,7 +55,7 @@ def test_calibration_runs_with_an_int8_kv_cache(tiny_models):
     lay = calibrate(str(tiny_models["llama"]), full_fraction=0.5, sink=4, window=16, num_samples=2,
                     lengths=(96,), rounds=1, progress=False, engine_options={"kv_cache_dtype": "int8"},
                     method="ablation")
-    assert sum(lay.num_full(l) for l in range(2)) == 2 and len(lay.scores) == 2
+    assert sum(lay.num_paged(l) for l in range(2)) == 2 and len(lay.scores) == 2
 
 
 def test_calibrate_rejects_bad_fraction(tiny_models):

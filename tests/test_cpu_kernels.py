@@ -261,7 +261,7 @@ def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatc
         test_int8_matmul.test_kernel_with_a_minimum_per_group(None, dtype, tol)
 
 
-@pytest.mark.parametrize("kv_dtype", [{"full": "int8", "window": "float16"}, {"full": "float16", "window": "int8"}])
+@pytest.mark.parametrize("kv_dtype", [{"paged": "int8", "ring": "float16"}, {"paged": "float16", "ring": "int8"}])
 def test_one_class_through_the_kernel_the_other_not(compiled, tiny_models, kv_dtype):
     """Per-class KV dtypes where the kernel takes one class only: that class decodes
     through it (the runner builds block tables or slot runs to match), the other through
@@ -272,7 +272,7 @@ def test_one_class_through_the_kernel_the_other_not(compiled, tiny_models, kv_dt
     opts = dict(kv_cache_memory=1 << 24, dtype="float32", block_size=4, enforce_eager=True)
     llm = LLM(path, head_layout=lay, **opts)
     runner = llm.engine.runner
-    assert runner.metadata.kernel and runner.metadata.paged_by_kernel == (kv_dtype["full"] == "int8")
+    assert runner.metadata.kernel and runner.metadata.paged_by_kernel == (kv_dtype["paged"] == "int8")
     params = SamplingParams(max_tokens=16, temperature=0.0)
     got = [o.token_ids for o in llm.generate(PROMPTS, params, use_tqdm=False)]
     ref = LLM(path, head_layout=lay, **opts)

@@ -125,7 +125,7 @@ def test_graph_decode_equals_eager_float32(tiny_models, replay_capturer, layout,
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-4
     if replay_capturer is not None:  # decode at 3 sequences (bucket 4), 2 and 1 replayed
         assert {4, 2, 1} <= set(replay_capturer.replays)
-    graphs.engine.cache.full.blocks.check()
+    graphs.engine.cache.paged.blocks.check()
     # Padding rows wrote only into the spare block and ring slot, past the manager's books.
     assert graphs.engine.runner.kv.num_blocks == graphs.engine.cache.num_blocks + 1
 
@@ -155,7 +155,7 @@ def test_padding_rows_are_the_spare_sequence():
                      ctx.decode.block_tables[:, 0].clone()))
         return ids.float()[:, None]
 
-    shape = cuda_graphs.GraphShape(max_batch=4, max_blocks=3, block_size=4, ring_kinds=kinds, has_full_heads=True,
+    shape = cuda_graphs.GraphShape(max_batch=4, max_blocks=3, block_size=4, ring_kinds=kinds, has_paged_heads=True,
                                    pad_block=9, pad_ring=7)
     g = cuda_graphs.CudaGraphDecode(body, ReplayCapturer(), torch.device("cpu"), shape)
     g.capture()

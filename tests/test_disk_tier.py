@@ -72,7 +72,7 @@ def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
     got = tiered.generate([a + q], GREEDY, use_tqdm=False)[0]
     _same(got, plain.generate([a + q], GREEDY, use_tqdm=False)[0])
     assert got.num_cached_tokens >= 100 and tier.stats.hit_tokens > 0
-    tiered.engine.cache.full.blocks.check()
+    tiered.engine.cache.paged.blocks.check()
     tiered.close()
 
 
@@ -160,7 +160,7 @@ def test_busy_use_leaks_no_block_and_no_partial_file(tiny_models, tmp_path):
             _same(g, w)
     cache = llm.engine.cache
     _check_books(cache, [])
-    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks
+    assert cache.paged.blocks.num_free == cache.paged.blocks.num_blocks
     assert cache.tier.stats.hit_tokens > 0
     llm.close()
     assert not [f for f in tmp_path.rglob(".tmp-*")]

@@ -250,7 +250,7 @@ def test_calibration_keeps_the_sliding_layers_native(tiny_gemma, tmp_path, metho
     again = select_from_scores(HeadLayout.load(f), 0.0, sink=2, window=8)
     assert again.heads[2] == [HeadSpec("window", 2, 8)] * 2 and again.heads[0] == [native, native]
     llm = LLM(str(tiny_gemma), head_layout=again, kv_cache_memory=1 << 24)  # passes the native check
-    assert llm.engine.layout.num_full(2) == 0
+    assert llm.engine.layout.num_paged(2) == 0
 
 
 def test_eval_uses_the_native_layout_as_reference(tiny_gemma):

@@ -22,7 +22,7 @@ def llm(tiny_models):
 
 def _assert_idle(llm):
     usage = llm.cache_usage()
-    assert usage["full"]["used_bytes"] == 0 and usage["window"]["used_bytes"] == 0
+    assert usage["paged"]["used_bytes"] == 0 and usage["ring"]["used_bytes"] == 0
     assert not llm.engine.has_unfinished()
 
 
@@ -137,7 +137,7 @@ def test_bfloat16_runs_and_mostly_agrees(tiny_models):
     f32 = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24)
     assert f32.engine.dtype == torch.float32  # auto: the tiny checkpoint is saved in float32
     bf = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 24, dtype="bfloat16")
-    assert bf.engine.runner.kv.full_k.dtype == torch.bfloat16
+    assert bf.engine.runner.kv.paged_k.dtype == torch.bfloat16
     ids = f32.tokenizer.encode(PROMPTS[1])
     a, b = f32.engine.prompt_logits(ids), bf.engine.prompt_logits(ids)
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.8
@@ -173,7 +173,7 @@ def test_auto_dtype_follows_checkpoint_and_device(tiny_models, tmp_path, monkeyp
     assert checkpoint_dtype(str(tiny_models["llama"])) == "float32"
     llm = LLM(str(bf_dir), head_layout="full", kv_cache_memory=1 << 24)
     assert llm.engine.dtype == want
-    assert llm.engine.runner.kv.full_k.dtype == want
+    assert llm.engine.runner.kv.paged_k.dtype == want
     assert next(llm.engine.model.parameters()).dtype == want
 
 

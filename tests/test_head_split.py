@@ -247,9 +247,9 @@ def test_batched_mixed_layout_equals_one_by_one(tiny_models, max_num_seqs):
 
 def test_slot_runs_follow_block_table():
     from headwise.cache.block_pool import BlockPool
-    from headwise.cache.full_pool import FullHeadPool
+    from headwise.cache.paged_pool import PagedPool
 
-    pool = FullHeadPool(BlockPool(8), 4, block_bytes=64)
+    pool = PagedPool(BlockPool(8), 4, block_bytes=64)
     pool.allocate(1, 8)   # blocks 0, 1
     pool.allocate(2, 4)   # block 2
     pool.append(1, 13)    # blocks 3, 4 -> run [0, 1] then [3, 4]

@@ -82,13 +82,13 @@ def test_storage_is_exactly_what_the_books_count(full_dt, window_dt):
     and kv_bytes follows the per-token formula of each class."""
     L, H, D, bs = 3, 4, 16, 8
     lay = mixed_layout((L, H, D))
-    lay.kv_dtype = {"full": full_dt, "window": window_dt}
+    lay.kv_dtype = {"paged": full_dt, "ring": window_dt}
     m = KVCacheManager(lay, bs, 1 << 22, 3, torch.float32)
     kv = KVStorage(m.geometry, m.num_blocks, m.num_ring_slots, compute_dtype=torch.float32)
     assert kv.nbytes == m.num_blocks * m.geometry.block_bytes + m.num_ring_slots * m.geometry.ring_bytes
     assert kv.nbytes <= 1 << 22
     per = {"auto": 2 * D * 4, "int8": 2 * (D + 4)}  # float32 compute: float32 scales
-    nf = sum(lay.num_full(l) for l in range(L))
+    nf = sum(lay.num_paged(l) for l in range(L))
     ring_tokens = sum(s.ring_size for row in lay.heads for s in row)
     n = 50
     assert m.kv_bytes(n) == -(-n // bs) * bs * nf * per[full_dt] + ring_tokens * per[window_dt]
@@ -98,7 +98,7 @@ def test_int8_halves_the_default_models_kv_and_is_the_layouts_own_choice():
     lay = shipped_layout("SmolLM2-135M-Instruct", (30, 3, 64))
     full, window = class_specs(lay, "int8", torch.bfloat16)
     assert full.dtype == window.dtype == torch.int8
-    lay.kv_dtype = {"window": "bfloat16"}  # the layout's own choice beats the option
+    lay.kv_dtype = {"ring": "bfloat16"}  # the layout's own choice beats the option
     full, window = class_specs(lay, "int8", torch.bfloat16)
     assert (full.dtype, window.dtype) == (torch.int8, torch.bfloat16)
     a = KVCacheManager(lay, 16, 1 << 30, 2, torch.bfloat16, kv_cache_dtype="int8").kv_bytes(8192)
@@ -111,11 +111,17 @@ def test_int8_halves_the_default_models_kv_and_is_the_layouts_own_choice():
 # ---- files and options -----------------------------------------------------------------
 def test_layout_files_carry_kv_dtype_and_version_1_still_loads(tmp_path):
     lay = HeadLayout.window((2, 2, 8), 4, 8)
-    lay.kv_dtype = {"full": "int8", "window": "float16"}
+    lay.kv_dtype = {"paged": "int8", "ring": "float16"}
     lay.save(tmp_path / "v2.json")
     d = json.loads((tmp_path / "v2.json").read_text())
-    assert d["version"] == 2 and d["kv_dtype"] == {"full": "int8", "window": "float16"}
+    assert d["version"] == 2 and d["kv_dtype"] == {"paged": "int8", "ring": "float16"}
     assert HeadLayout.load(tmp_path / "v2.json").kv_dtype == lay.kv_dtype
+    # Files written before select heads named the pools by their first class.
+    (tmp_path / "old.json").write_text(json.dumps(dict(d, kv_dtype={"full": "int8", "window": "float16"})))
+    assert HeadLayout.load(tmp_path / "old.json").kv_dtype == lay.kv_dtype
+    (tmp_path / "twice.json").write_text(json.dumps(dict(d, kv_dtype={"full": "int8", "paged": "float16"})))
+    with pytest.raises(LayoutError, match="sets 'paged' twice"):
+        HeadLayout.load(tmp_path / "twice.json")
     d.update(version=1)
     del d["kv_dtype"]
     (tmp_path / "v1.json").write_text(json.dumps(d))
@@ -138,7 +144,7 @@ def test_bad_kv_cache_dtype_names_the_choices(tiny_models, tmp_path):
             EngineConfig(kv_cache_dtype="fp8_e4m3")
         path = str(tiny_models["llama"])
         lay = HeadLayout.full(LLM(path, head_layout="full", kv_cache_memory=1 << 22).layout.shape)
-        lay.kv_dtype = {"full": "fp8_e4m3"}
+        lay.kv_dtype = {"paged": "fp8_e4m3"}
         with pytest.raises(ConfigError, match="fp8_e4m3.*CUDA"):
             LLM(path, head_layout=lay, kv_cache_memory=1 << 22)
 
@@ -165,11 +171,11 @@ def test_engine_matches_quantized_dense_reference(tiny_models, backend, full_dt,
     if full_dt == window_dt:  # the option, not the layout, chooses
         opts["kv_cache_dtype"] = full_dt
     else:
-        lay.kv_dtype = {"full": full_dt, "window": window_dt}
+        lay.kv_dtype = {"paged": full_dt, "ring": window_dt}
     llm = LLM(path, head_layout=lay, kv_cache_memory=1 << 24, max_num_batched_tokens=7, dtype="float32", **opts)
     geo = llm.engine.cache.geometry
-    assert str(geo.full.dtype).endswith({"auto": "float32"}.get(full_dt, full_dt))
-    assert str(geo.window.dtype).endswith({"auto": "float32"}.get(window_dt, window_dt))
+    assert str(geo.paged.dtype).endswith({"auto": "float32"}.get(full_dt, full_dt))
+    assert str(geo.ring.dtype).endswith({"auto": "float32"}.get(window_dt, window_dt))
     rounds = {"full": _round(full_dt), "window": _round(window_dt)}
     ids = llm.tokenizer.encode("A long prompt about rivers, towns and bridges, " * 3)
     with torch.no_grad():

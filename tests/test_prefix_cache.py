@@ -181,11 +181,11 @@ def _step_to_prompt_end(sched, cache) -> None:
 
 def _check_books(cache, running):
     """Every block is free (possibly cached) or held exactly by the sequences using it."""
-    pool = cache.full.blocks
+    pool = cache.paged.blocks
     pool.check()
     holders = [0] * pool.num_blocks
     for seq in running:
-        for b in cache.full.tables[seq.seq_id]:
+        for b in cache.paged.tables[seq.seq_id]:
             holders[b] += 1
     assert holders == pool.ref, "a block's references differ from the tables holding it"
     for h, b in cache.index.blocks.items():
@@ -238,7 +238,7 @@ def test_random_requests_keep_exact_books(kind):
     while sched.has_unfinished():
         _step_to_prompt_end(sched, cache)
     _check_books(cache, [])
-    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks  # nothing held by anyone
+    assert cache.paged.blocks.num_free == cache.paged.blocks.num_blocks  # nothing held by anyone
     assert cache.index.stats.hits > 0
     if kind != "window":  # (window-only sequences never grow, so never preempt)
         assert evictions_seen and sched.num_preemptions > 0
@@ -253,11 +253,11 @@ def test_exact_block_ids_of_a_hit():
     hit = cache.match_prefix(ids)
     assert hit.num_tokens == 0 and hit.points == [8]  # the last block boundary before the end
     cache.allocate(1, 8, hit)
-    assert cache.full.tables[1] == [0, 1]
+    assert cache.paged.tables[1] == [0, 1]
     cache.commit(1, lambda a, b: ids[a:b], 8)
     (save,) = cache.pop_ops()
     # Snapshot pages come from the high end, away from the sequences' blocks.
-    top = cache.full.blocks.num_blocks
+    top = cache.paged.blocks.num_blocks
     assert save.save and save.ring_slot == 0 and save.pages == list(range(top - cache.snapshot_pages, top))
     cache.ops_done([save])
     cache.append(1, 9)
@@ -268,11 +268,11 @@ def test_exact_block_ids_of_a_hit():
     cache.allocate(2, 9, hit)
     (load,) = cache.pop_ops()
     assert not load.save and load.ring_slot == 1 and load.pages == save.pages
-    assert cache.full.tables[2][:2] == [0, 1] and cache.full.blocks.ref[0] == 1
+    assert cache.paged.tables[2][:2] == [0, 1] and cache.paged.blocks.ref[0] == 1
     cache.ops_done([load])
     cache.free(2)
-    cache.full.blocks.check()
-    assert cache.full.blocks.num_free == cache.full.blocks.num_blocks
+    cache.paged.blocks.check()
+    assert cache.paged.blocks.num_free == cache.paged.blocks.num_blocks
 
 
 def test_snapshots_do_not_split_a_sequence_into_runs(tiny_models):
@@ -354,7 +354,7 @@ def test_plan_chunk_lends_scratch_slots_or_cuts():
     hit = cache.match_prefix(list(range(500, 700)))
     assert cache.plan_chunk(3, 0, 200, hit) == 68
     cache.free(2)
-    cache.full.blocks.check()
+    cache.paged.blocks.check()
 
 
 def test_a_prompt_that_fits_only_without_its_hit_snapshot_is_still_admitted():

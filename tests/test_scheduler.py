@@ -57,13 +57,13 @@ def test_preempts_most_recent_and_recomputes():
     a, b = _seq(8, max_tokens=8), _seq(8, max_tokens=8)
     s.add(a), s.add(b)
     _advance(s.schedule())  # both prefilled: 2 blocks each, pool full
-    assert cache.full.blocks.num_free == 0
+    assert cache.paged.blocks.num_free == 0
     out = s.schedule()      # a needs a 3rd block -> b (admitted last) is preempted
     assert out.preempted == [b]
     assert [q for q, _ in out.scheduled] == [a]
     assert b.status == SeqStatus.WAITING and b.num_computed_tokens == 0
     assert s.waiting[0] is b and s.num_preemptions == 1
-    assert cache.full.tables[a.seq_id] == [0, 1, 3]  # b freed tail first: its block 3
+    assert cache.paged.tables[a.seq_id] == [0, 1, 3]  # b freed tail first: its block 3
     s.finish(a)
     out = s.schedule()      # b comes back with prompt + generated token recomputed
     assert out.scheduled == [(b, 9)]
@@ -102,9 +102,9 @@ def test_abort_frees_at_once_and_queue_limit():
     a = _seq(5)
     s.add(a)
     s.schedule()
-    assert cache.full.blocks.num_free == 6
+    assert cache.paged.blocks.num_free == 6
     s.abort(a)
-    assert cache.full.blocks.num_free == 8 and not s.has_unfinished()
+    assert cache.paged.blocks.num_free == 8 and not s.has_unfinished()
     assert a.finish_reason == "abort"
     s.add(_seq(2))
     with pytest.raises(QueueFullError):

@@ -276,7 +276,7 @@ def test_metrics_series_present_and_moving(server):
     text = httpx.get(f"{url}/metrics").text
     for n in names:
         assert n in text, n
-    assert 'pool="full"' in text and 'pool="window"' in text
+    assert 'pool="paged"' in text and 'pool="ring"' in text
     assert _metric(url, "headwise:generation_tokens_total") == before["headwise:generation_tokens_total"] + 5
     assert _metric(url, "headwise:prompt_tokens_total") > before["headwise:prompt_tokens_total"]
     assert _metric(url, "headwise:time_to_first_token_seconds_count") == before[
@@ -320,8 +320,8 @@ def test_prefix_cache_usage_metrics_and_reset(model_path, offline):
         assert _metric(url, "headwise:prefix_cache_queries_total") == q0 + n
         assert _metric(url, "headwise:prefix_cache_hits_total") == h0 + (n - 1) // 4 * 4
         _wait_idle(url)
-        assert _metric(url, "headwise:kv_cache_cached_bytes", head_class="full") > 0
-        assert _metric(url, "headwise:kv_cache_cached_bytes", head_class="window") > 0
+        assert _metric(url, "headwise:kv_cache_cached_bytes", pool="paged") > 0
+        assert _metric(url, "headwise:kv_cache_cached_bytes", pool="ring") > 0
         msgs = [{"role": "user", "content": doc}]
         a = c.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0)
         s = list(c.chat.completions.create(model=model, messages=msgs, max_tokens=6, temperature=0, stream=True,

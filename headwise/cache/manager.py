@@ -20,13 +20,14 @@ import torch
 
 from headwise.cache.block_pool import BlockPool, PageKind
 from headwise.cache.disk_tier import DiskTier
-from headwise.cache.full_pool import FullHeadPool
+from headwise.cache.paged_pool import PagedPool
 from headwise.cache.ops import CopyQueue, PageIn, PageOut, PrefixHit, RingClone, RingCopy
 from headwise.cache.prefix_cache import PrefixIndex, block_hashes, root_hash
 from headwise.cache.ring_pool import RingPool
 from headwise.cache.snapshots import SeqBooks, SnapshotPolicy
 from headwise.cache.spec import CacheGeometry, class_specs
 from headwise.cache.tier_link import Fetch, TierLink
+from headwise.heads.base import PAGED, RING
 from headwise.heads.layout import HeadLayout
 
 
@@ -63,13 +64,13 @@ class KVCacheManager:
                 f"({block_bytes} bytes) after the rings ({self.ring.total_bytes} bytes)"
             )
         pool = BlockPool(num_pages)
-        self.full = FullHeadPool(pool, block_size, block_bytes)
-        self.pools = (self.full, self.ring)
+        self.paged = PagedPool(pool, block_size, block_bytes)
+        self.pools = (self.paged, self.ring)
         self.index = PrefixIndex(pool)
         self.snapshot_pages = (-(-geo.ring_bytes // self.page_bytes)
                                if self.caching and self.ring.active and self.page_bytes else 0)
         # Different KV never shares a key: the root names the layout, dtypes, block size.
-        self._root = root_hash(("headwise", layout.shape, str(dtype), geo.full.label, geo.window.label, block_size,
+        self._root = root_hash(("headwise", layout.shape, str(dtype), geo.paged.label, geo.ring.label, block_size,
                                 tuple((s.kind, s.sink, s.window) for row in layout.heads for s in row)))
         self._seqs: dict[int, SeqBooks] = {}
         self._queue = CopyQueue()
@@ -84,8 +85,8 @@ class KVCacheManager:
         if not self.caching:
             raise CacheConfigError("a KV offload directory needs prefix caching (enable_prefix_caching=True)")
         self.tier = tier
-        self._tier_link = TierLink(tier, self.index, self.full.blocks, self._queue, self.block_size,
-                                   self.snapshot_pages, self._root, self.full.active)
+        self._tier_link = TierLink(tier, self.index, self.paged.blocks, self._queue, self.block_size,
+                                   self.snapshot_pages, self._root, self.paged.active)
 
     @property
     def root(self) -> int:
@@ -94,15 +95,15 @@ class KVCacheManager:
 
     @property
     def num_blocks(self) -> int:
-        return self.full.blocks.num_blocks
+        return self.paged.blocks.num_blocks
 
     @property
     def num_ring_slots(self) -> int:
         return self.ring.num_slots
 
     @property
-    def has_full_heads(self) -> bool:
-        return self.full.active
+    def has_paged_heads(self) -> bool:
+        return self.paged.active
 
     # ---- prefix cache ---------------------------------------------------------------
     def match_prefix(self, token_ids: list[int], use_tier: bool = True) -> PrefixHit:
@@ -116,10 +117,10 @@ class KVCacheManager:
             return PrefixHit(num_prompt=P)
         max_blocks = (P - 1) // bs
         hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
-        blocks = self.index.cached_blocks(hashes) if self.full.active else []
-        n = len(blocks) if self.full.active else max_blocks
+        blocks = self.index.cached_blocks(hashes) if self.paged.active else []
+        n = len(blocks) if self.paged.active else max_blocks
         link = self._tier_link if use_tier else None
-        if link is not None and self.full.active:  # the chain may go on in the disk tier
+        if link is not None and self.paged.active:  # the chain may go on in the disk tier
             n = link.extend_chain(hashes, n, max_blocks)
         reach = n * bs  # how far the cached full blocks go
         snapshot, snap_on_disk = None, False
@@ -176,8 +177,8 @@ class KVCacheManager:
         if nfull > done:
             toks = token_ids(done * bs, nfull * bs)
             h += block_hashes(self._root, toks, bs, h[-1] if h else None)
-            if self.full.active:
-                table = self.full.tables[seq_id]
+            if self.paged.active:
+                table = self.paged.tables[seq_id]
                 for i in range(done, nfull):
                     self.index.add_block(h[i], table[i], h[i - 1] if i else self._root,
                                          toks[(i - done) * bs:(i - done + 1) * bs])
@@ -192,7 +193,7 @@ class KVCacheManager:
     def ops_done(self, ops: list) -> None:
         for op in ops:
             if isinstance(op, RingCopy):
-                self.full.blocks.release(op.pages, low=op.save and not op.anchor)
+                self.paged.blocks.release(op.pages, low=op.save and not op.anchor)
 
     def offload_all(self) -> None:
         """Queue copies of every cached block and anchor snapshot to the disk tier (at
@@ -210,7 +211,7 @@ class KVCacheManager:
     # ---- admission and growth (both pools) ----------------------------------------
     def pages_to_grow(self, seq_id: int, num_tokens: int) -> int:
         """Pages a running sequence still has to take to hold `num_tokens` tokens."""
-        return self.full.to_grow(seq_id, num_tokens)
+        return self.paged.to_grow(seq_id, num_tokens)
 
     def can_allocate(self, num_tokens: int, hit: PrefixHit | None = None, reserved: int = 0,
                      num_prompt: int = 0) -> bool:
@@ -223,15 +224,15 @@ class KVCacheManager:
         hit = hit or PrefixHit()
         snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
         if snap is not None:  # held while its state is loaded: idle pages leave the free queues
-            extra = sum(self.full.blocks.is_free(b) for b in snap.pages)
+            extra = sum(self.paged.blocks.is_free(b) for b in snap.pages)
         else:  # read from disk into new pages, or no window state to load
             extra = self.snapshot_pages if hit.snapshot is not None else 0
-        return (self.full.can_allocate(num_tokens, hit.blocks, extra)
-                and self.full.can_allocate(max(num_tokens, num_prompt), hit.blocks, reserved))
+        return (self.paged.can_allocate(num_tokens, hit.blocks, extra)
+                and self.paged.can_allocate(max(num_tokens, num_prompt), hit.blocks, reserved))
 
     def allocate(self, seq_id: int, num_tokens: int, hit: PrefixHit | None = None) -> None:
         hit = hit or PrefixHit()
-        pool = self.full.blocks
+        pool = self.paged.blocks
         snap = self.index.snapshots.get(hit.snapshot) if hit.snapshot is not None else None
         # What the hit shares is held before any page is taken, which could evict it.
         pool.touch(hit.blocks)
@@ -243,7 +244,7 @@ class KVCacheManager:
             snap = snap or from_disk
         else:
             loaded = []
-        self.full.allocate(seq_id, num_tokens, hit.blocks + loaded)
+        self.paged.allocate(seq_id, num_tokens, hit.blocks + loaded)
         self.ring.allocate(seq_id, num_tokens)
         if snap is not None:
             self._queue.add(RingCopy(False, self.ring.slot(seq_id), snap.pages))
@@ -269,24 +270,24 @@ class KVCacheManager:
         books = self._seqs.pop(seq_id, None)
         self.ring.free(seq_id)
         if books is None:
-            self.full.free(seq_id)
+            self.paged.free(seq_id)
         else:
-            self.snapshots.release(books, self.full.pop(seq_id))
+            self.snapshots.release(books, self.paged.pop(seq_id))
 
     def max_tokens_per_seq(self) -> int:
-        return self.full.max_tokens()
+        return self.paged.max_tokens()
 
     # ---- what a step needs, as plain data ------------------------------------------
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Full-pool flat slots (block * block_size + offset) of positions [start, end)."""
-        return self.full.slots(seq_id, start, end)
+        return self.paged.slots(seq_id, start, end)
 
     def block_table(self, seq_id: int) -> list[int]:
-        return self.full.block_table(seq_id)
+        return self.paged.block_table(seq_id)
 
     def slot_runs(self, seq_id: int, num_tokens: int) -> list[tuple[int, int]]:
         """Positions [0, num_tokens) as (first flat slot, length) runs of adjacent slots."""
-        return self.full.slot_runs(seq_id, num_tokens)
+        return self.paged.slot_runs(seq_id, num_tokens)
 
     def ring_slot(self, seq_id: int) -> int:
         return self.ring.slot(seq_id)
@@ -299,16 +300,18 @@ class KVCacheManager:
     def max_concurrency(self, num_tokens: int) -> int:
         """Sequences of `num_tokens` tokens that fit at once."""
         by_ring = self.ring.num_slots if self.ring.active else 1 << 62
-        per = self.full.bytes_for(num_tokens)
-        by_full = self.full.total_bytes // per if per else 1 << 62
+        per = self.paged.bytes_for(num_tokens)
+        by_full = self.paged.total_bytes // per if per else 1 << 62
         return min(by_ring, by_full)
 
     def usage(self) -> dict[str, dict[str, float]]:
-        """Per head class (its pool): bytes held by running sequences, in total, and
-        (prefix caching) held by cached prefixes nobody uses, which count as free."""
-        cached = self.full.blocks.cached_free
+        """Per storage kind ("paged": the block pool of full and select heads; "ring": the
+        window heads' rings): bytes held by running sequences, in total, and (prefix
+        caching) held by cached prefixes nobody uses, which count as free (ring snapshots
+        are cached in the block pool's pages)."""
+        cached = self.paged.blocks.cached_free
         out = {}
-        for name, p, kind in (("full", self.full, PageKind.BLOCK), ("window", self.ring, PageKind.SNAPSHOT)):
+        for name, p, kind in ((PAGED, self.paged, PageKind.BLOCK), (RING, self.ring, PageKind.SNAPSHOT)):
             total = p.total_bytes
             out[name] = {"used_bytes": p.used_bytes, "total_bytes": total,
                          "usage": p.used_bytes / total if total else 0.0,

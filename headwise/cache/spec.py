@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from headwise.heads.base import RingKind
-from headwise.heads.layout import KV_CACHE_DTYPES, KV_DTYPE_KEYS, HeadLayout
+from headwise.heads.layout import KV_CACHE_DTYPES, KV_DTYPE_KEYS, HeadLayout, kv_dtypes
 
 # Storage dtype of each KV cache dtype name ("auto": the compute dtype).
 _STORAGE = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32,
@@ -27,7 +27,7 @@ class KVClassSpec:
     """Storage of one head class: every byte figure of a class comes from here.
     Quantized classes (scale_dtype set) keep one symmetric scale per token and head for
     K and one for V, in the compute dtype, beside the values (x ~ q * scale)."""
-    name: str              # "full" | "window"
+    name: str              # the storage kind: "paged" | "ring"
     dtype: torch.dtype     # storage dtype of the values
     head_dim: int
     scale_dtype: torch.dtype | None = None
@@ -65,10 +65,11 @@ class KVClassSpec:
 
 
 def class_specs(layout: HeadLayout, kv_cache_dtype: str, compute: torch.dtype) -> tuple[KVClassSpec, KVClassSpec]:
-    """(paged pool, rings) specs, named by their first class ("full", "window"): the
-    layout's kv_dtype where it sets one, else the option."""
-    chosen = {c: (layout.kv_dtype or {}).get(c, kv_cache_dtype) for c in KV_DTYPE_KEYS}
-    return tuple(KVClassSpec.resolve(c, chosen[c], compute, layout.head_dim) for c in KV_DTYPE_KEYS)
+    """(paged pool, rings) specs, named by storage kind: the layout's kv_dtype where it
+    sets one, else the option."""
+    chosen = kv_dtypes(layout.kv_dtype, layout.name) or {}
+    return tuple(KVClassSpec.resolve(k, chosen.get(k, kv_cache_dtype), compute, layout.head_dim)
+                 for k in KV_DTYPE_KEYS)
 
 
 @dataclass(frozen=True)
@@ -107,25 +108,25 @@ class GroupSpec:
 @dataclass(frozen=True)
 class CacheGeometry:
     """Where every head's KV lives. Paged heads (every token): one pool [F, num_blocks *
-    block_size, D] for K and one for V, layer l owning heads [full_offset[l],
-    full_offset[l] + num_full[l]). Ring heads: per ring slot, ring_elems elements of K
+    block_size, D] for K and one for V, layer l owning heads [paged_offset[l],
+    paged_offset[l] + num_paged[l]). Ring heads: per ring slot, ring_elems elements of K
     then of V, laid out group by group (see KVStorage in the runner)."""
     block_size: int
-    num_full: tuple[int, ...]                      # [L] paged KV heads per layer
-    full_offset: tuple[int, ...]                   # [L] first paged head of layer l in the pool
+    num_paged: tuple[int, ...]                      # [L] paged KV heads per layer
+    paged_offset: tuple[int, ...]                   # [L] first paged head of layer l in the pool
     groups: tuple[tuple[GroupSpec, ...], ...]      # [L] every head group of the layer
-    full: KVClassSpec
-    window: KVClassSpec
+    paged: KVClassSpec                             # storage of the paged heads (full, select)
+    ring: KVClassSpec                              # storage of the ring heads (window)
 
     @classmethod
-    def from_layout(cls, layout: HeadLayout, block_size: int, full: KVClassSpec,
-                    window: KVClassSpec) -> "CacheGeometry":
-        num_full, offsets, groups = [], [], []
+    def from_layout(cls, layout: HeadLayout, block_size: int, paged: KVClassSpec,
+                    ring: KVClassSpec) -> "CacheGeometry":
+        num_paged, offsets, groups = [], [], []
         F = E = S = 0
         for l in range(layout.num_layers):
-            nf = layout.num_full(l)
+            nf = layout.num_paged(l)
             offsets.append(F)
-            num_full.append(nf)
+            num_paged.append(nf)
             row = layout.heads[l]
             runs: list[list] = []  # [kv_start, kv_end, spec]
             for pos, h in enumerate(layout.head_order(l)):
@@ -145,11 +146,11 @@ class CacheGeometry:
                     S += b - a
             F += nf
             groups.append(tuple(layer_groups))
-        return cls(block_size, tuple(num_full), tuple(offsets), tuple(groups), full, window)
+        return cls(block_size, tuple(num_paged), tuple(offsets), tuple(groups), paged, ring)
 
     @property
-    def total_full_heads(self) -> int:
-        return sum(self.num_full)
+    def total_paged_heads(self) -> int:
+        return sum(self.num_paged)
 
     @property
     def ring_groups(self) -> list[GroupSpec]:
@@ -163,7 +164,7 @@ class CacheGeometry:
     @property
     def ring_elems(self) -> int:
         """Elements of K (or of V) in one ring slot."""
-        return self.ring_tokens * self.window.head_dim
+        return self.ring_tokens * self.ring.head_dim
 
     @property
     def summary_heads(self) -> int:
@@ -174,23 +175,23 @@ class CacheGeometry:
     def summary_dtype(self) -> torch.dtype:
         """Per-channel key min and max of a block: exact in the pool's own dtype when K is
         stored plainly; float32 over dequantized keys when quantized."""
-        return self.full.dtype if self.full.scale_dtype is None else torch.float32
+        return self.paged.dtype if self.paged.scale_dtype is None else torch.float32
 
     @property
     def block_bytes(self) -> int:
         """One block: block_size tokens of every paged head of every layer, K and V, and
         the key summaries (min and max per channel) of its summarised heads."""
-        summaries = self.summary_heads * 2 * self.full.head_dim * _size(self.summary_dtype)
-        return self.total_full_heads * self.block_size * self.full.bytes_per_head_token + summaries
+        summaries = self.summary_heads * 2 * self.paged.head_dim * _size(self.summary_dtype)
+        return self.total_paged_heads * self.block_size * self.paged.bytes_per_head_token + summaries
 
     @property
     def ring_bytes(self) -> int:
         """One ring slot: sink + window tokens of every window head, K and V, scales included."""
-        return self.ring_tokens * self.window.bytes_per_head_token
+        return self.ring_tokens * self.ring.bytes_per_head_token
 
     def seq_bytes(self, num_tokens: int) -> int:
         """KV bytes one sequence of `num_tokens` tokens holds: its blocks and its ring."""
-        blocks = -(-num_tokens // self.block_size) if self.total_full_heads else 0
+        blocks = -(-num_tokens // self.block_size) if self.total_paged_heads else 0
         return blocks * self.block_bytes + self.ring_bytes
 
     def ring_kinds(self) -> list[RingKind]:

@@ -23,12 +23,12 @@ class Fetch(Enum):
 
 class TierLink:
     def __init__(self, tier: DiskTier, index: PrefixIndex, pool: BlockPool, queue: CopyQueue,
-                 block_size: int, snapshot_pages: int, root: int, has_full_heads: bool) -> None:
+                 block_size: int, snapshot_pages: int, root: int, has_paged_heads: bool) -> None:
         self.tier, self.index, self.pool, self.queue = tier, index, pool, queue
         self.block_size = block_size
         self.snapshot_pages = snapshot_pages
         self.root = root
-        self.has_full_heads = has_full_heads
+        self.has_paged_heads = has_paged_heads
         index.on_evicted = self.offload
 
     # ---- lookups ----------------------------------------------------------------------
@@ -45,7 +45,7 @@ class TierLink:
         """Read what `hit` needs from disk (its blocks beyond those in memory, and its
         snapshot when that is on disk) into hit.from_disk, verified against the prompt."""
         n, bs = hit.num_tokens // self.block_size, self.block_size
-        need = [(PageKind.BLOCK, h) for h in hit.hashes[len(hit.blocks):n]] if self.has_full_heads else []
+        need = [(PageKind.BLOCK, h) for h in hit.hashes[len(hit.blocks):n]] if self.has_paged_heads else []
         need += [(PageKind.SNAPSHOT, hit.snapshot)] if snapshot_on_disk else []
         if not need:
             return Fetch.READY
@@ -83,7 +83,7 @@ class TierLink:
                 snap = self.index.snapshots[entry.key]
             self.tier.release(entry.kind, entry.key)
         if hit.from_disk:  # tokens it would have recomputed, served from disk
-            in_memory = len(hit.blocks) * self.block_size if self.has_full_heads else 0
+            in_memory = len(hit.blocks) * self.block_size if self.has_paged_heads else 0
             self.tier.count_hit(hit.num_tokens - in_memory)
         return loaded, snap
 

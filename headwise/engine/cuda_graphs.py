@@ -92,7 +92,7 @@ class GraphShape:
     max_blocks: int                # block table width: the longest sequence's blocks
     block_size: int
     ring_kinds: list[RingKind]     # one ring-entry buffer per kind
-    has_full_heads: bool           # whether steps carry block tables
+    has_paged_heads: bool           # whether steps carry block tables
     pad_block: int                 # the spare block and ring slot padding rows write into
     pad_ring: int
 
@@ -109,7 +109,7 @@ class CudaGraphDecode:
         self.sizes = capture_sizes(shape.max_batch)
         self.block_size = block_size = shape.block_size
         self.pad_slot, self.pad_block, self.pad_ring = shape.pad_block * block_size, shape.pad_block, shape.pad_ring
-        ring_kinds, has_full_heads, max_blocks = shape.ring_kinds, shape.has_full_heads, shape.max_blocks
+        ring_kinds, has_paged_heads, max_blocks = shape.ring_kinds, shape.has_paged_heads, shape.max_blocks
         n, i64 = self.sizes[-1], dict(dtype=torch.int64, device=device)
         # The persistent inputs; a step of B rows fills [:B] and pads up to its bucket.
         self.ids = torch.zeros(n, **i64)
@@ -119,7 +119,7 @@ class CudaGraphDecode:
         self.ring_slots = torch.zeros(n, **i64)
         self.ring_index = {kind: torch.zeros(n, **i64) for kind in ring_kinds}  # ring entry per row
         self.tables = (torch.zeros(n, max_blocks, dtype=torch.int32, device=device)
-                       if has_full_heads else None)        # [n, max_blocks] block tables
+                       if has_paged_heads else None)        # [n, max_blocks] block tables
         self.graphs: dict[int, tuple[Callable[[], None], torch.Tensor]] = {}  # bucket -> (replay, hidden)
         self.capture_s = 0.0
 

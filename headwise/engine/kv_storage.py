@@ -19,23 +19,23 @@ class KVStorage:
                  compute_dtype: torch.dtype | None = None) -> None:
         self.geometry = geo
         # What reads return (the model's dtype); a plain class defaults to its own dtype.
-        self.compute = {c.name: compute_dtype or c.scale_dtype or c.dtype for c in (geo.full, geo.window)}
+        self.compute = {c.name: compute_dtype or c.scale_dtype or c.dtype for c in (geo.paged, geo.ring)}
         self.num_ring_slots = num_ring_slots
         self.num_blocks = num_blocks
-        F, D = geo.total_full_heads, geo.full.head_dim
+        F, D = geo.total_paged_heads, geo.paged.head_dim
         slots = num_blocks * geo.block_size if F else 0
         # Head-major so that layer l's full heads are one contiguous slice.
         # K and V side by side, so a step writes both in one op (layer_views' kv_full).
-        self.full_kv = torch.zeros(2, F, slots, D, dtype=geo.full.dtype, device=device)  # [K|V, F, slots, D]
-        self.full_k, self.full_v = self.full_kv[0], self.full_kv[1]
-        fs = geo.full.scale_dtype
-        self.full_k_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)  # [F, slots]
-        self.full_v_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)
+        self.paged_kv = torch.zeros(2, F, slots, D, dtype=geo.paged.dtype, device=device)  # [K|V, F, slots, D]
+        self.paged_k, self.paged_v = self.paged_kv[0], self.paged_kv[1]
+        fs = geo.paged.scale_dtype
+        self.paged_k_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)  # [F, slots]
+        self.paged_v_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)
         # Per (layer, window group) a contiguous [2, num_ring_slots, n, sink + window, D]
         # block, so decode runs one batched matmul over all slots of a group; scales
         # likewise [2, num_ring_slots, n, sink + window].
-        self.rings = torch.zeros(2 * num_ring_slots * geo.ring_elems, dtype=geo.window.dtype, device=device)
-        ws = geo.window.scale_dtype
+        self.rings = torch.zeros(2 * num_ring_slots * geo.ring_elems, dtype=geo.ring.dtype, device=device)
+        ws = geo.ring.scale_dtype
         self.ring_scales = (None if ws is None else
                             torch.zeros(2 * num_ring_slots * geo.ring_tokens, dtype=ws, device=device))
         # Pages of the block pool are full-head blocks; a layout without full heads that
@@ -49,8 +49,8 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.full_kv, self.full_k_scale,
-                                                           self.full_v_scale, self.rings, self.ring_scales,
+        return sum(t.numel() * t.element_size() for t in (self.paged_kv, self.paged_k_scale,
+                                                           self.paged_v_scale, self.rings, self.ring_scales,
                                                            self.pages, self.summaries) if t is not None)
 
     # ---- window-state snapshots: a ring slot's bytes <-> pages of the block pool ------
@@ -85,9 +85,9 @@ class KVStorage:
         the plain pages [1, num_pages, bytes]."""
         if self.pages.shape[0]:
             return [self.pages[None]]
-        F = self.full_k.shape[0]
+        F = self.paged_k.shape[0]
         views = [t.view(torch.uint8).view(F, self.num_blocks, -1)
-                 for t in (self.full_k, self.full_v, self.full_k_scale, self.full_v_scale) if t is not None]
+                 for t in (self.paged_k, self.paged_v, self.paged_k_scale, self.paged_v_scale) if t is not None]
         if self.summaries.numel():
             views.append(self.summaries.view(torch.uint8).view(1, self.num_blocks, -1))
         return views
@@ -116,20 +116,20 @@ class KVStorage:
 
     def _ring_view(self, kv: int, g: GroupSpec) -> KVTensor:
         """[num_ring_slots, n, sink + window, D] K (kv=0) or V (kv=1) of one group."""
-        S, D = self.num_ring_slots, self.geometry.window.head_dim
+        S, D = self.num_ring_slots, self.geometry.ring.head_dim
         tokens = S * g.num_heads * g.ring_size
         start = 2 * S * g.offset // D + kv * tokens  # in head-tokens
         data = self.rings[start * D: (start + tokens) * D].view(S, g.num_heads, g.ring_size, D)
         scale = (None if self.ring_scales is None else
                  self.ring_scales[start: start + tokens].view(S, g.num_heads, g.ring_size))
-        return KVTensor(data, scale, self.compute["window"])
+        return KVTensor(data, scale, self.compute["ring"])
 
     def _ring_pair(self, g: GroupSpec) -> torch.Tensor | None:
         """[2, num_ring_slots, n, sink + window, D]: one group's K and V values together
         (for one write of both); None when the class is quantized (scales to write too)."""
         if self.ring_scales is not None:
             return None
-        S, D = self.num_ring_slots, self.geometry.window.head_dim
+        S, D = self.num_ring_slots, self.geometry.ring.head_dim
         start = 2 * S * g.offset // D
         return self.rings[start * D: (start + 2 * S * g.num_heads * g.ring_size) * D].view(
             2, S, g.num_heads, g.ring_size, D)
@@ -137,10 +137,10 @@ class KVStorage:
     def _paged_views(self, g: GroupSpec) -> tuple[KVTensor, KVTensor, torch.Tensor | None]:
         """K and V [n, slots, D] KVTensors of a paged group, and both values together
         [2, n, slots, D] (None when quantized: scales to write too)."""
-        heads, dt = slice(g.offset, g.offset + g.num_heads), self.compute["full"]
-        k = KVTensor(self.full_k[heads], None if self.full_k_scale is None else self.full_k_scale[heads], dt)
-        v = KVTensor(self.full_v[heads], None if self.full_v_scale is None else self.full_v_scale[heads], dt)
-        return k, v, None if self.full_k_scale is not None else self.full_kv[:, heads]
+        heads, dt = slice(g.offset, g.offset + g.num_heads), self.compute["paged"]
+        k = KVTensor(self.paged_k[heads], None if self.paged_k_scale is None else self.paged_k_scale[heads], dt)
+        v = KVTensor(self.paged_v[heads], None if self.paged_v_scale is None else self.paged_v_scale[heads], dt)
+        return k, v, None if self.paged_k_scale is not None else self.paged_kv[:, heads]
 
     def layer_views(self, layer: int) -> list[HeadGroup]:
         """Every head group of a layer with its cache views, in storage order."""

@@ -17,6 +17,7 @@ from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.grammar import GrammarCompiler, consume
 from headwise.engine.sequence import Sequence
+from headwise.heads.base import PAGED, head_class
 from headwise.heads.layout import resolve_layout
 from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
@@ -72,10 +73,10 @@ class EngineStats:
     """What a server or a client reads of a running engine, in one call (engine.stats())."""
     num_running: int
     num_waiting: int
-    usage: dict[str, dict[str, float]]   # per head class: used/total/cached bytes, usage
+    usage: dict[str, dict[str, float]]   # per storage kind (paged, ring): used/total/cached bytes, usage
     prefix: PrefixStats                  # cumulative prompt tokens looked up and hit
     tier: TierStats | None               # the disk tier's counters (None: no tier)
-    kv_formats: tuple[KVClassSpec, ...]  # how each head class stores K/V
+    kv_formats: dict[str, KVClassSpec]   # how each head class of the layout stores K/V
 
 
 class LLMEngine:
@@ -122,12 +123,12 @@ class LLMEngine:
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching,
                                     config.kv_cache_dtype)
         geo = self.cache.geometry
-        if torch.float8_e4m3fn in (geo.full.dtype, geo.window.dtype) and config.torch_device.type != "cuda":
+        if torch.float8_e4m3fn in (geo.paged.dtype, geo.ring.dtype) and config.torch_device.type != "cuda":
             raise ConfigError(f"layout {self.layout.name!r} stores KV as fp8_e4m3, which needs a CUDA "
                               "device; on the CPU use int8")
         if config.kv_offload_dir or config.kv_offload_host_bytes:
             fp = fingerprint(model_identity(config.model) if not loaded else mcfg.name,
-                             self.cache.root, f"{self.dtype}/{geo.full.label}/{geo.window.label}",
+                             self.cache.root, f"{self.dtype}/{geo.paged.label}/{geo.ring.label}",
                              config.block_size)
             self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp,
                                             config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))
@@ -349,5 +350,6 @@ class LLMEngine:
         tier = self.cache.tier
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
                            self.cache.index.stats, None if tier is None else tier.stats,
-                           (geo.full, geo.window))
+                           {c: geo.paged if head_class(c).storage == PAGED else geo.ring
+                            for c in self.layout.class_counts()})
 

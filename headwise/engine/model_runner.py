@@ -57,7 +57,7 @@ class ModelRunner:
             max_len = max_model_len or model.config.max_position_embeddings
             shape = cuda_graphs.GraphShape(
                 max_batch=max_num_seqs, max_blocks=-(-max_len // cache.block_size), block_size=cache.block_size,
-                ring_kinds=[k for k, _ in self.ring_kinds], has_full_heads=cache.has_full_heads,
+                ring_kinds=[k for k, _ in self.ring_kinds], has_paged_heads=cache.has_paged_heads,
                 pad_block=cache.num_blocks, pad_ring=cache.num_ring_slots)
             self.graphs = cuda_graphs.CudaGraphDecode(self.forward.hidden_states, capturer, self.device, shape)
             self.graphs.capture()

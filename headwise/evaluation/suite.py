@@ -28,9 +28,9 @@ def equal_bytes_window(layout: HeadLayout, length: int, dtype: torch.dtype = tor
     """All-window layout (StreamingLLM) whose KV bytes at `length` match `layout`'s
     (KV of both classes in `dtype`)."""
     L, H, D = layout.shape
-    full, window = KVClassSpec("full", dtype, D), KVClassSpec("window", dtype, D)
-    total = CacheGeometry.from_layout(layout, block_size, full, window).seq_bytes(length)
-    ring = total // (L * H * window.bytes_per_head_token)
+    paged, rings = KVClassSpec("paged", dtype, D), KVClassSpec("ring", dtype, D)
+    total = CacheGeometry.from_layout(layout, block_size, paged, rings).seq_bytes(length)
+    ring = total // (L * H * rings.bytes_per_head_token)
     sink = min(DEFAULT_SINK, ring // 4)
     out = HeadLayout.window(layout.shape, sink=sink, window=max(1, ring - sink), model=layout.model)
     out.name = "window-same-KV"

@@ -6,10 +6,12 @@ File format (JSON, version 2):
      "num_layers": L, "num_kv_heads": H, "head_dim": D,
      "sink": 64, "window": 256, "budget": 2048,   # budget: only with select heads
      "heads": [["full", "window", {"class": "window", "sink": 32, "window": 512}, "select"], ...],
-     "kv_dtype": {"full": "int8", "window": "bfloat16"},  # optional, per head class
+     "kv_dtype": {"paged": "int8", "ring": "bfloat16"},  # optional, per storage kind
      "scores": [[...], ...]}          # optional, per-head calibration scores
-A head given as a bare string uses the file's default parameters. `kv_dtype` sets a
-class's KV cache dtype, overriding the engine's kv_cache_dtype option for that class.
+A head given as a bare string uses the file's default parameters. `kv_dtype` sets the KV
+cache dtype of a storage kind (the block pool of the paged classes, full and select; the
+rings of the window class), overriding the engine's kv_cache_dtype option for it; files
+written before select heads existed name them "full" and "window", which still load.
 Version 1 files (no kv_dtype) still load. The classes are those registered in
 headwise.heads.base (heads/full.py, heads/window.py, heads/select.py); each checks its own parameters.
 """
@@ -32,12 +34,29 @@ DEFAULT_WINDOW = 256
 # Tokens a `select` head attends per decode step (sink and recent window included).
 DEFAULT_BUDGET = 2048
 DEFAULTS = {"sink": DEFAULT_SINK, "window": DEFAULT_WINDOW, "budget": DEFAULT_BUDGET}
-# A layout's kv_dtype sets the dtype of each pool by the name of its first class: "full"
-# for the paged pool, "window" for the rings.
-KV_DTYPE_KEYS = ("full", "window")
+# A layout's kv_dtype sets the dtype of each storage kind's pool: "paged" (the block pool)
+# and "ring". Older files named them by their first class, "full" and "window".
+KV_DTYPE_KEYS = base.STORAGES
+_OLD_KV_DTYPE_KEYS = {"full": base.PAGED, "window": base.RING}
 # KV cache dtypes, by the names options and layout files use. "auto": the compute dtype;
 # int8 and fp8_e4m3 store one scale per token and head beside the values.
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "int8", "fp8_e4m3")
+
+
+def kv_dtypes(kv_dtype: dict[str, str] | None, name: str = "") -> dict[str, str] | None:
+    """A layout's kv_dtype checked and keyed by storage kind (old class-name keys renamed)."""
+    if kv_dtype is None:
+        return None
+    out: dict[str, str] = {}
+    for key, dt in kv_dtype.items():
+        kind = _OLD_KV_DTYPE_KEYS.get(key, key)
+        if kind not in KV_DTYPE_KEYS or dt not in KV_CACHE_DTYPES:
+            raise LayoutError(f"layout {name!r}: kv_dtype maps {KV_DTYPE_KEYS} to one of "
+                              f"{KV_CACHE_DTYPES}, got {key!r}: {dt!r}")
+        if kind in out:
+            raise LayoutError(f"layout {name!r}: kv_dtype sets {kind!r} twice (as {key!r} too)")
+        out[kind] = dt
+    return out
 
 
 @dataclass(frozen=True)
@@ -89,14 +108,10 @@ class HeadLayout:
     heads: list[list[HeadSpec]]     # [layer][kv_head]
     model: str = ""
     scores: list[list[float]] | None = None
-    kv_dtype: dict[str, str] | None = None  # head class -> KV cache dtype (overrides the option)
+    kv_dtype: dict[str, str] | None = None  # storage kind -> KV cache dtype (overrides the option)
 
     def __post_init__(self) -> None:
-        for cls_name, dt in (self.kv_dtype or {}).items():
-            if cls_name not in KV_DTYPE_KEYS or dt not in KV_CACHE_DTYPES:
-                raise LayoutError(
-                    f"layout {self.name!r}: kv_dtype maps {KV_DTYPE_KEYS} to one of "
-                    f"{KV_CACHE_DTYPES}, got {cls_name!r}: {dt!r}")
+        self.kv_dtype = kv_dtypes(self.kv_dtype, self.name)
         if len(self.heads) != self.num_layers or any(len(r) != self.num_kv_heads for r in self.heads):
             raise LayoutError(
                 f"layout {self.name!r} lists {len(self.heads)} layers x "
@@ -141,7 +156,7 @@ class HeadLayout:
     def shape(self) -> tuple[int, int, int]:
         return self.num_layers, self.num_kv_heads, self.head_dim
 
-    def num_full(self, layer: int) -> int:
+    def num_paged(self, layer: int) -> int:
         """KV heads of a layer that keep every token (paged classes)."""
         return sum(s.paged for s in self.heads[layer])
 
@@ -159,7 +174,7 @@ class HeadLayout:
     @property
     def full_fraction(self) -> float:
         """Share of KV heads that keep every token (paged classes: full and select)."""
-        return sum(self.num_full(l) for l in range(self.num_layers)) / (self.num_layers * self.num_kv_heads)
+        return sum(self.num_paged(l) for l in range(self.num_layers)) / (self.num_layers * self.num_kv_heads)
 
     def head_order(self, layer: int) -> list[int]:
         """KV heads of a layer in storage order (HeadSpec.group_key, then head index):
@@ -194,7 +209,7 @@ class HeadLayout:
             "heads": [[enc(s) for s in row] for row in self.heads],
         }
         if self.kv_dtype:
-            d["kv_dtype"] = dict(self.kv_dtype)
+            d["kv_dtype"] = kv_dtypes(self.kv_dtype, self.name)
         if self.scores is not None:
             d["scores"] = self.scores
         return d
@@ -225,7 +240,7 @@ class HeadLayout:
                               f"expected one of {READABLE_VERSIONS}")
         kv_dtype = d.get("kv_dtype")
         if kv_dtype is not None and not isinstance(kv_dtype, dict):
-            raise LayoutError(f"{name}: 'kv_dtype' must be an object such as {{\"full\": \"int8\"}}")
+            raise LayoutError(f"{name}: 'kv_dtype' must be an object such as {{\"paged\": \"int8\"}}")
         try:
             L, H, D = int(d["num_layers"]), int(d["num_kv_heads"]), int(d["head_dim"])
             top = {p: d.get(p, DEFAULTS[p]) for p in DEFAULTS}  # the file's defaults

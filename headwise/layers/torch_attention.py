@@ -49,16 +49,16 @@ class StepMetadata:
     def __init__(self, cache, device: torch.device, compute: torch.dtype) -> None:
         geo = cache.geometry
         self.cache, self.device = cache, device
-        self.paged_by_kernel = decode_kernel(device, geo.full, compute) and cache.has_full_heads
+        self.paged_by_kernel = decode_kernel(device, geo.paged, compute) and cache.has_paged_heads
         self.tables = self.paged_by_kernel or geo.summary_heads > 0
-        self.kernel = self.paged_by_kernel or decode_kernel(device, geo.window, compute)
+        self.kernel = self.paged_by_kernel or decode_kernel(device, geo.ring, compute)
 
     def decode(self, seq_ids: list[int], lens: list[int], ring_slots: list[int]) -> TorchDecode:
         cache, dev = self.cache, self.device
         meta = TorchDecode(min_len=min(lens), ring_slots=ring_slots)
         if self.tables:
             meta.block_tables = block_tables([cache.block_table(s) for s in seq_ids], dev)
-        if cache.has_full_heads and not self.paged_by_kernel:
+        if cache.has_paged_heads and not self.paged_by_kernel:
             meta.runs = [cache.slot_runs(s, n) for s, n in zip(seq_ids, lens)]
         if self.kernel:
             meta.lens_i32 = torch.tensor(lens, dtype=torch.int32, device=dev)
@@ -67,7 +67,7 @@ class StepMetadata:
 
     def chunk_pages(self, seq_id: int, start: int, length: int) -> torch.Tensor | None:
         """A chunk after the first gathers every earlier slot of its sequence."""
-        if not start or not self.cache.has_full_heads:
+        if not start or not self.cache.has_paged_heads:
             return None
         return torch.tensor(self.cache.slot_mapping(seq_id, 0, start + length), dtype=torch.int64,
                             device=self.device)

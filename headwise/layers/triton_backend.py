@@ -35,11 +35,11 @@ class StepMetadata:
 
     def decode(self, seq_ids: list[int], lens: list[int], ring_slots: list[int]) -> PagedDecode:
         meta = PagedDecode()
-        if self.cache.has_full_heads:
+        if self.cache.has_paged_heads:
             meta.block_tables = block_tables([self.cache.block_table(s) for s in seq_ids], self.device)
         return meta
 
     def chunk_pages(self, seq_id: int, start: int, length: int) -> torch.Tensor | None:
-        if not self.cache.has_full_heads:
+        if not self.cache.has_paged_heads:
             return None
         return torch.tensor(self.cache.block_table(seq_id), dtype=torch.int32, device=self.device)

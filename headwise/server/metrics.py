@@ -32,8 +32,8 @@ class Metrics:
         self.prefix_hits = Counter("headwise:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    lbl, registry=r)
         self.cached_bytes = Gauge("headwise:kv_cache_cached_bytes",
-                                  "Bytes of cached prefixes no request uses (reclaimable), per head class",
-                                  lbl + ["head_class"], registry=r)
+                                  "Bytes of cached prefixes no request uses (reclaimable), per KV pool",
+                                  lbl + ["pool"], registry=r)
         self._prefix_seen = (0, 0)
         self.kv_format = Gauge("headwise:kv_cache_bytes_per_token", "KV bytes one token takes in one KV head of "
                                "a head class (K and V, scales included), by stored dtype",
@@ -58,19 +58,19 @@ class Metrics:
         self._served_seen = {"host": 0, "disk": 0}
 
     def set_kv_format(self, specs) -> None:
-        """specs: the cache geometry's KVClassSpec of each head class."""
-        for spec in specs:
-            self.kv_format.labels(self.model, spec.name, spec.label).set(spec.bytes_per_head_token)
+        """specs: head class -> the KVClassSpec of the storage it lives in."""
+        for head_class, spec in specs.items():
+            self.kv_format.labels(self.model, head_class, spec.label).set(spec.bytes_per_head_token)
 
     def update_state(self, stats, waiting: int) -> None:
         """stats: the engine's EngineStats; waiting: its queue and requests on their way in."""
         m, prefix = self.model, stats.prefix
         self.running.labels(m).set(stats.num_running)
         self.waiting.labels(m).set(waiting)
-        for head_class, u in stats.usage.items():
-            self.kv_usage.labels(m, head_class).set(u["usage"])
-            self.kv_bytes.labels(m, head_class).set(u["used_bytes"])
-            self.cached_bytes.labels(m, head_class).set(u["cached_bytes"])
+        for pool, u in stats.usage.items():
+            self.kv_usage.labels(m, pool).set(u["usage"])
+            self.kv_bytes.labels(m, pool).set(u["used_bytes"])
+            self.cached_bytes.labels(m, pool).set(u["cached_bytes"])
         if stats.tier is not None:
             self._update_tier(stats.tier)
         queries, hits = self._prefix_seen

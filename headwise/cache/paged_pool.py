@@ -1,6 +1,7 @@
-"""Books of the paged pool for full heads: which blocks each sequence holds.
+"""Books of the paged pool, where the heads of the paged classes (full, select) keep
+every token: which blocks each sequence holds.
 
-One block holds `block_size` tokens for every full KV head of every layer, so a sequence
+One block holds `block_size` tokens for every paged KV head of every layer, so a sequence
 needs a single block table. A table may start with blocks shared with other sequences
 (a prefix-cache hit); every block is released exactly once per holder. No tensors here:
 the runner owns the storage.
@@ -10,10 +11,10 @@ from __future__ import annotations
 from headwise.cache.block_pool import BlockPool, id_runs
 
 
-class FullHeadPool:
+class PagedPool:
     def __init__(self, blocks: BlockPool, block_size: int, block_bytes: int) -> None:
         self.block_size = block_size
-        self.block_bytes = block_bytes  # 0 when the layout has no full head
+        self.block_bytes = block_bytes  # 0 when the layout has no paged head
         self.blocks = blocks            # shared with window-state snapshots
         self.tables: dict[int, list[int]] = {}
         # Per sequence, its blocks as maximal runs of consecutive ids: [first_block, count].
