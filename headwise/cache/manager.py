@@ -54,8 +54,8 @@ class KVCacheManager:
             )
         self.caching = enable_prefix_caching
         block_bytes = geo.block_bytes
-        # Pages of the block pool: full-head blocks, which also hold window snapshots; a
-        # layout without full heads gets pages of one snapshot each when caching.
+        # Pages of the block pool: paged-head blocks, which also hold window snapshots; a
+        # layout without paged heads gets pages of one snapshot each when caching.
         self.page_bytes = block_bytes or (geo.ring_bytes if self.caching else 0)
         num_pages = (kv_cache_memory - self.ring.total_bytes) // self.page_bytes if self.page_bytes else 0
         if block_bytes and num_pages < 1:
@@ -279,7 +279,7 @@ class KVCacheManager:
 
     # ---- what a step needs, as plain data ------------------------------------------
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
-        """Full-pool flat slots (block * block_size + offset) of positions [start, end)."""
+        """Paged-pool flat slots (block * block_size + offset) of positions [start, end)."""
         return self.paged.slots(seq_id, start, end)
 
     def block_table(self, seq_id: int) -> list[int]:
@@ -301,8 +301,8 @@ class KVCacheManager:
         """Sequences of `num_tokens` tokens that fit at once."""
         by_ring = self.ring.num_slots if self.ring.active else 1 << 62
         per = self.paged.bytes_for(num_tokens)
-        by_full = self.paged.total_bytes // per if per else 1 << 62
-        return min(by_ring, by_full)
+        by_paged = self.paged.total_bytes // per if per else 1 << 62
+        return min(by_ring, by_paged)
 
     def usage(self) -> dict[str, dict[str, float]]:
         """Per storage kind ("paged": the block pool of full and select heads; "ring": the

@@ -112,8 +112,8 @@ class CacheGeometry:
     paged_offset[l] + num_paged[l]). Ring heads: per ring slot, ring_elems elements of K
     then of V, laid out group by group (see KVStorage in the runner)."""
     block_size: int
-    num_paged: tuple[int, ...]                      # [L] paged KV heads per layer
-    paged_offset: tuple[int, ...]                   # [L] first paged head of layer l in the pool
+    num_paged: tuple[int, ...]                     # [L] paged KV heads per layer
+    paged_offset: tuple[int, ...]                  # [L] first paged head of layer l in the pool
     groups: tuple[tuple[GroupSpec, ...], ...]      # [L] every head group of the layer
     paged: KVClassSpec                             # storage of the paged heads (full, select)
     ring: KVClassSpec                              # storage of the ring heads (window)

@@ -92,7 +92,7 @@ class GraphShape:
     max_blocks: int                # block table width: the longest sequence's blocks
     block_size: int
     ring_kinds: list[RingKind]     # one ring-entry buffer per kind
-    has_paged_heads: bool           # whether steps carry block tables
+    has_paged_heads: bool          # whether steps carry block tables
     pad_block: int                 # the spare block and ring slot padding rows write into
     pad_ring: int
 

@@ -24,8 +24,8 @@ class KVStorage:
         self.num_blocks = num_blocks
         F, D = geo.total_paged_heads, geo.paged.head_dim
         slots = num_blocks * geo.block_size if F else 0
-        # Head-major so that layer l's full heads are one contiguous slice.
-        # K and V side by side, so a step writes both in one op (layer_views' kv_full).
+        # Head-major so that layer l's paged heads are one contiguous slice.
+        # K and V side by side, so a step writes both in one op (HeadGroup.kv).
         self.paged_kv = torch.zeros(2, F, slots, D, dtype=geo.paged.dtype, device=device)  # [K|V, F, slots, D]
         self.paged_k, self.paged_v = self.paged_kv[0], self.paged_kv[1]
         fs = geo.paged.scale_dtype
@@ -38,7 +38,7 @@ class KVStorage:
         ws = geo.ring.scale_dtype
         self.ring_scales = (None if ws is None else
                             torch.zeros(2 * num_ring_slots * geo.ring_tokens, dtype=ws, device=device))
-        # Pages of the block pool are full-head blocks; a layout without full heads that
+        # Pages of the block pool are paged-head blocks; a layout without paged heads that
         # caches window state gets plain pages of `page_bytes` instead.
         self.pages = torch.zeros(0 if F else num_blocks, page_bytes, dtype=torch.uint8, device=device)
         # Key summaries of the summarised paged heads (select), per block: [num_blocks,

@@ -123,6 +123,9 @@ class LLMEngine:
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching,
                                     config.kv_cache_dtype)
         geo = self.cache.geometry
+        # How each head class of the layout stores K/V: its storage kind's spec (EngineStats).
+        self.kv_formats = {c: geo.paged if head_class(c).storage == PAGED else geo.ring
+                           for c in self.layout.class_counts()}
         if torch.float8_e4m3fn in (geo.paged.dtype, geo.ring.dtype) and config.torch_device.type != "cuda":
             raise ConfigError(f"layout {self.layout.name!r} stores KV as fp8_e4m3, which needs a CUDA "
                               "device; on the CPU use int8")
@@ -346,10 +349,8 @@ class LLMEngine:
         return self.cache.max_tokens_per_seq()
 
     def stats(self) -> EngineStats:
-        geo = self.cache.geometry
         tier = self.cache.tier
         return EngineStats(len(self.scheduler.running), len(self.scheduler.waiting), self.cache.usage(),
                            self.cache.index.stats, None if tier is None else tier.stats,
-                           {c: geo.paged if head_class(c).storage == PAGED else geo.ring
-                            for c in self.layout.class_counts()})
+                           self.kv_formats)
 
