@@ -84,7 +84,7 @@ def ratio_table(records: list[dict], skipped: dict[str, str], ref: str) -> str:
                          f"{r['decode_tok_s']:.1f} [{rg['decode_tok_s'][0]:.1f}-{rg['decode_tok_s'][1]:.1f}] | "
                          f"{r['kv_bytes_per_seq'] / 2**20:.1f} | {r['max_concurrency']} | "
                          f"{r['agg_tok_s']:.1f} [{rg['agg_tok_s'][0]:.1f}-{rg['agg_tok_s'][1]:.1f}] | "
-                         f"{r['peak_rss_bytes'] / 2**20:.0f} |")
+                         f"{'n/a' if r['peak_rss_bytes'] is None else format(r['peak_rss_bytes'] / 2**20, '.0f')} |")
     lines += ["", f"Ratios of {ref} against each peer (TTFT: peer/ours, higher is better for us; others ours/peer):", "",
               "| context | peer | TTFT speed-up | decode | KV smaller | concurrency | aggregate |",
               "|---|---|---|---|---|---|---|"]
@@ -172,6 +172,9 @@ def main(argv=None) -> int:
                          "headwise@LAYOUT.json")
     ap.add_argument("--out-dir", default="bench")
     ap.add_argument("--ref", default="headwise", help="system the ratio table compares against the others")
+    ap.add_argument("--merge", action="append", default=[], metavar="RESULTS.json",
+                    help="records of an earlier run (its results.json) shown in the same tables; a "
+                         "system and context measured in this run replaces the earlier record")
     ap.add_argument("--dtype", default="auto", choices=list(DTYPE_CHOICES),
                     help="headwise and transformers compute dtype (auto: as the engine picks it)")
     a = ap.parse_args(argv)
@@ -180,6 +183,7 @@ def main(argv=None) -> int:
     budget = int(a.budget_gib * 2**30)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    earlier = [r for f in a.merge for r in load_records(Path(f))]
     records, skipped = [], {}
     ctx = multiprocessing.get_context("spawn")
     for name in a.systems.split(","):
@@ -191,17 +195,46 @@ def main(argv=None) -> int:
             print(f"{name}: skipped ({why})", flush=True)
             skipped[name] = why
         records += recs
-    table = (f"Machine: {machine()}; {dtype} (headwise, transformers); KV budget {a.budget_gib:g} GiB; "
-             f"median [min-max] of {a.runs} runs\n\n"
-             + ratio_table(records, skipped, a.ref))
+        # Written after every system: a long run stopped part way keeps what it measured.
+        table = write_results(out, merged(earlier, records), skipped, dtype, a.budget_gib, a.runs, a.ref)
     print("\n" + table)
-    (out / "results.json").write_text(json.dumps(
-        {"machine": machine(), "date": time.strftime("%Y-%m-%d"), "dtype": dtype, "skipped": skipped,
-         "records": [{k: r[k] for k in FIELDS} | {"range": r["range"]} for r in records]}, indent=1))
-    (out / "results.md").write_text(table + "\n")
-    if records:
-        plot(records, out / "results.png")
+    if records or earlier:
+        plot(merged(earlier, records), out / "results.png")
     return 0
+
+
+def load_records(path: Path) -> list[dict]:
+    """The records of an earlier run's results.json, each with the run's date."""
+    try:
+        res = json.loads(path.read_text())
+        recs = res["records"]
+        missing = {f for r in recs for f in FIELDS + ("range",) if f not in r}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"--merge {path}: not a results.json of this benchmark ({e})")
+    if missing:
+        raise SystemExit(f"--merge {path}: records lack {sorted(missing)}")
+    return [r | {"date": r.get("date", res.get("date"))} for r in recs]
+
+
+def merged(earlier: list[dict], records: list[dict]) -> list[dict]:
+    """Earlier records, less those this run measured again, then this run's."""
+    now = {(r["system"], r["context"]) for r in records}
+    return [r for r in earlier if (r["system"], r["context"]) not in now] + records
+
+
+def write_results(out: Path, records: list[dict], skipped: dict, dtype: str, budget_gib: float, runs: int,
+                  ref: str) -> str:
+    today = time.strftime("%Y-%m-%d")
+    dates = sorted({r.get("date") or today for r in records} | {today})
+    table = (f"Machine: {machine()}; {dtype} (headwise, transformers); KV budget {budget_gib:g} GiB; "
+             f"median [min-max] of {runs} runs; {' and '.join(dates)}\n\n"
+             + ratio_table(records, skipped, ref))
+    (out / "results.json").write_text(json.dumps(
+        {"machine": machine(), "date": today, "dtype": dtype, "skipped": skipped,
+         "records": [{k: r[k] for k in FIELDS} | {"range": r["range"], "date": r.get("date") or today}
+                     for r in records]}, indent=1))
+    (out / "results.md").write_text(table + "\n")
+    return table
 
 
 if __name__ == "__main__":

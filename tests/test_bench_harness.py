@@ -69,6 +69,36 @@ def test_llama_cpp_compared_at_its_best_setting_per_figure():
     assert "at its best" not in bench_peers.ratio_table([me, fa], {}, "headwise")
 
 
+def test_results_of_runs_merge_and_bad_merge_input_is_refused(tmp_path):
+    """Records of an earlier run join this run's tables; a system and context measured
+    again replaces its earlier record; a file that is not a results.json is refused."""
+    rng = {"ttft_s": [1, 1], "decode_tok_s": [1, 1], "agg_tok_s": [1, 1]}
+
+    def rec(system, L, ttft, rss=2**30):
+        return {"system": system, "context": L, "ttft_s": ttft, "decode_tok_s": 10.0, "agg_tok_s": 20.0,
+                "kv_bytes_per_seq": 2**20, "max_concurrency": 4, "peak_rss_bytes": rss, "range": rng}
+
+    old = tmp_path / "old"
+    old.mkdir()
+    bench_peers.write_results(old, [rec("headwise", 8192, 3.0), rec("llama.cpp-fa", 8192, 9.0, rss=None)],
+                              {}, "bfloat16", 2.0, 1, "headwise")
+    earlier = bench_peers.load_records(old / "results.json")
+    assert [r["system"] for r in earlier] == ["headwise", "llama.cpp-fa"] and all(r["date"] for r in earlier)
+    both = bench_peers.merged(earlier, [rec("headwise", 8192, 2.0), rec("headwise", 16384, 5.0)])
+    assert [(r["system"], r["context"], r["ttft_s"]) for r in both] == [
+        ("llama.cpp-fa", 8192, 9.0), ("headwise", 8192, 2.0), ("headwise", 16384, 5.0)]
+    md = bench_peers.write_results(tmp_path, both, {}, "bfloat16", 2.0, 1, "headwise")
+    assert "| 8192 | llama.cpp-fa | 9.00 [1.00-1.00] | 10.0 [1.0-1.0] | 1.0 | 4 | 20.0 [1.0-1.0] | n/a |" in md
+    assert "| 8192 | llama.cpp-fa | 4.50x |" in md  # against this run's headwise at 8K
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"records": [{"system": "x"}]}')
+    with pytest.raises(SystemExit, match="records lack"):
+        bench_peers.load_records(bad)
+    bad.write_text("not json")
+    with pytest.raises(SystemExit, match="not a results.json"):
+        bench_peers.load_records(bad)
+
+
 def test_gpu_benchmark_harness_on_cpu(tmp_path):
     """benchmarks/gpu.py end to end with a tiny random model on CPU: both layouts, every
     field, the split layout stores less KV and fits more sequences, table ratios agree."""

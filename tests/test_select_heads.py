@@ -312,3 +312,32 @@ def test_calibrate_cli_makes_select_heads(llama, tmp_path, capsys):
     rc = main(["calibrate", "--model", llama, "--select-from", "native", "--out", str(tmp_path / "n.json")])
     assert rc != 0 and "no native layout" in capsys.readouterr().err
     assert not (tmp_path / "n.json").exists()
+
+
+def test_calibrate_cli_decides_three_classes_in_one_run(llama, tmp_path, capsys):
+    """`--classes full,select,window`: the ranking picks full heads, then the recall profile
+    makes select heads of them; the full heads the ranking chose are exactly those now full
+    or select, and bad select parameters fail before any model runs."""
+    from headwise.cli import main
+
+    common = ["calibrate", "--model", llama, "--method", "mass", "--full-fraction", "0.5", "--sink", "4",
+              "--window", "8", "--samples", "2", "--lengths", "96", "--kv-cache-memory", str(1 << 24)]
+    two, three = tmp_path / "two.json", tmp_path / "three.json"
+    assert main(common + ["--out", str(two)]) == 0
+    capsys.readouterr()
+    rc = main(common + ["--classes", "full,select,window", "--budget", "48", "--select-window", "16",
+                        "--recall", "0.01", "--select-lengths", "300", "--out", str(three)])
+    assert rc == 0 and "select heads (recall >= 0.01)" in capsys.readouterr().out
+    a, b = HeadLayout.load(two), HeadLayout.load(three)
+    kept = {(l, h) for l, row in enumerate(a.heads) for h, s in enumerate(row) if s.kind == "full"}
+    assert kept and kept == {(l, h) for l, row in enumerate(b.heads) for h, s in enumerate(row)
+                             if s.kind in ("full", "select")}
+    assert {str(s) for row in b.heads for s in row if s.kind == "select"} == {"select (budget 48, sink 4, window 16)"}
+    assert all(s == a.heads[l][h] for l, row in enumerate(b.heads) for h, s in enumerate(row) if s.kind == "window")
+    # profile prompts that fit the budget: refused up front, nothing written
+    bad = tmp_path / "bad.json"
+    rc = main(common + ["--classes", "full,select,window", "--budget", "512", "--select-lengths", "300",
+                        "--out", str(bad)])
+    assert rc != 0 and "fit the budget of 512" in capsys.readouterr().err and not bad.exists()
+    rc = main(["calibrate", "--from-scores", str(two), "--classes", "full,select,window", "--out", str(bad)])
+    assert rc != 0 and "applies to a calibration run" in capsys.readouterr().err and not bad.exists()

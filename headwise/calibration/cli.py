@@ -7,11 +7,13 @@ from pathlib import Path
 
 from headwise.heads.layout import DEFAULT_BUDGET, DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
 from headwise.calibration.calibrate import METHODS, calibrate, select_from_scores
-from headwise.calibration.select_profile import DEFAULT_LENGTHS, DEFAULT_RECALL, select_layout
+from headwise.calibration.select_profile import DEFAULT_LENGTHS, DEFAULT_RECALL, check_select, select_layout
 from headwise.config import add_engine_args, engine_options
 from headwise.layouts import native_layout
 from headwise.weights.loader import read_model_config
 from headwise.evaluation.cli import int_list
+
+CLASS_SETS = ("full,window", "full,select,window")
 
 
 def add_calibrate(sub) -> None:
@@ -40,6 +42,16 @@ def add_calibrate(sub) -> None:
                    help="a layout file, or `native` (Gemma 3's own): make its full heads whose chosen pages hold --recall of their "
                         "attention mass `select` heads (budget --budget, sink --sink, window --window); "
                         f"profile prompts of --lengths tokens (default {','.join(map(str, DEFAULT_LENGTHS))})")
+    p.add_argument("--classes", default="full,window", choices=CLASS_SETS,
+                   help="the head classes calibration decides: with `select`, the ranking's full heads "
+                        "are then profiled as with --select-from, and those reaching --recall become "
+                        "select heads (budget --budget, sink --sink, window --select-window, profile "
+                        "prompts of --select-lengths tokens)")
+    p.add_argument("--select-window", type=int, default=DEFAULT_WINDOW,
+                   help="--classes full,select,window: the recent window select heads always attend")
+    p.add_argument("--select-lengths", default=None,
+                   help="--classes full,select,window: profile prompt lengths "
+                        f"(default {','.join(map(str, DEFAULT_LENGTHS))})")
     p.add_argument("--budget", type=int, default=DEFAULT_BUDGET, help="select heads: tokens attended per decode step")
     p.add_argument("--recall", type=float, default=DEFAULT_RECALL,
                    help="select heads: the share of a full head's attention mass its chosen pages must hold")
@@ -52,27 +64,27 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if not out.parent.is_dir():
         raise ValueError(f"output directory {str(out.parent)!r} does not exist")
+    three = "select" in args.classes
+    if three and (args.from_scores or args.select_from):
+        raise ValueError("--classes full,select,window applies to a calibration run; with --from-scores "
+                         "or --select-from leave it out (--select-from makes select heads itself)")
+    if three:  # checked before the ranking runs, so a bad value loses no work
+        select_lengths = int_list(args.select_lengths, "--select-lengths") if args.select_lengths else DEFAULT_LENGTHS
+        check_select(args.budget, args.sink, args.select_window, args.recall, select_lengths)
     if args.from_scores:
         layout = select_from_scores(HeadLayout.load(args.from_scores), args.full_fraction,
                                     args.sink, args.window, args.name)
         how = f"selected from the scores in {args.from_scores}"
     elif args.select_from:
-        t0 = time.perf_counter()
         lengths = int_list(args.lengths, "--lengths") if args.lengths else DEFAULT_LENGTHS
         source = (native_layout(read_model_config(args.model)) if args.select_from == "native"
                   else HeadLayout.load(args.select_from))
         if source is None:
             raise ValueError("--select-from native: this model has no native layout (no sliding-window "
                              "layers); give a layout file")
-        layout, recall = select_layout(args.model, source, args.budget, args.sink,
-                                       args.window, args.recall, args.samples, lengths, args.seed,
-                                       engine_options=engine_options(args, exclude=("model", "head_layout")))
+        layout, how = _select(args, source, args.window, lengths)
         if args.name:
             layout.name = args.name
-        kinds = [s.kind for row in layout.heads for s in row]
-        how = (f"{kinds.count('select')} select heads (recall >= {args.recall}), {kinds.count('full')} full, "
-               f"profiled in {time.perf_counter() - t0:.0f}s; recall per head (layers x heads):\n"
-               + "\n".join(" ".join(f"{x:.2f}" for x in row) for row in recall.tolist()))
     else:
         t0 = time.perf_counter()
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
@@ -80,15 +92,32 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
                            rounds=args.rounds,
                            engine_options=engine_options(args, exclude=("model", "head_layout")),
                            method=args.method, steps=args.steps, lr=args.lr, l1=args.l1)
+        how = f"calibrated in {time.perf_counter() - t0:.0f}s"
+        if three:
+            layout, profiled = _select(args, layout, args.select_window, select_lengths)
+            how += f"; {profiled}"
         if args.name:
             layout.name = args.name
-        how = f"calibrated in {time.perf_counter() - t0:.0f}s"
     layout.save(out)
     print(f"wrote {out}: {layout.summary} ({layout.full_fraction:.1%} keep every token), {how}")
     if args.plot:
         plot_scores(layout, args.plot)
         print(f"wrote {args.plot}")
     return 0
+
+
+def _select(args: argparse.Namespace, source: HeadLayout, window: int,
+            lengths: tuple[int, ...]) -> tuple[HeadLayout, str]:
+    """`source` with the full heads whose chosen pages hold --recall of their attention
+    mass made select heads -> (layout, what was done, with each head's recall)."""
+    t0 = time.perf_counter()
+    layout, recall = select_layout(args.model, source, args.budget, args.sink, window, args.recall,
+                                   args.samples, lengths, args.seed,
+                                   engine_options=engine_options(args, exclude=("model", "head_layout")))
+    kinds = [s.kind for row in layout.heads for s in row]
+    return layout, (f"{kinds.count('select')} select heads (recall >= {args.recall}), {kinds.count('full')} full, "
+                    f"profiled in {time.perf_counter() - t0:.0f}s; recall per head (layers x heads):\n"
+                    + "\n".join(" ".join(f"{x:.2f}" for x in row) for row in recall.tolist()))
 
 
 def plot_scores(layout: HeadLayout, path: str) -> None:

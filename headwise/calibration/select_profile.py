@@ -91,18 +91,25 @@ def recall_profile(llm: LLM, samples, sink: int, window: int, budget: int, progr
     return torch.stack([p.recall for p in probes]) / len(samples)
 
 
+def check_select(budget: int, sink: int, window: int, recall: float, lengths: tuple[int, ...]) -> HeadSpec:
+    """The select heads' spec, or ValueError (LayoutError) for parameters the profile
+    cannot use; checked before any model runs."""
+    spec = HeadSpec("select", sink, window, budget)  # checks the parameters
+    if not 0.0 < recall <= 1.0:
+        raise ValueError(f"recall must be in (0, 1], got {recall}")
+    if max(lengths) <= budget:
+        raise ValueError(f"profile prompts of {max(lengths)} tokens fit the budget of {budget}; "
+                         "give longer prompt lengths")
+    return spec
+
+
 def select_layout(model: str | None, source: HeadLayout, budget: int, sink: int, window: int,
                   recall: float = DEFAULT_RECALL, num_samples: int = 12,
                   lengths: tuple[int, ...] = DEFAULT_LENGTHS, seed: int = 0, progress: bool = True,
                   engine_options: dict | None = None) -> tuple[HeadLayout, torch.Tensor]:
     """`source` with each full head whose recall reaches `recall` made a select head
     (sink, window, budget); returns the layout and the [L, H] recall of every head."""
-    spec = HeadSpec("select", sink, window, budget)  # checks the parameters
-    if not 0.0 < recall <= 1.0:
-        raise ValueError(f"recall must be in (0, 1], got {recall}")
-    if max(lengths) <= budget:
-        raise ValueError(f"profile prompts of {max(lengths)} tokens fit the budget of {budget}; "
-                         "give longer --lengths")
+    spec = check_select(budget, sink, window, recall, lengths)
     opts = dict(engine_options or {})
     opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
     llm = LLM(model, head_layout=source, **opts)
