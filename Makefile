@@ -74,7 +74,8 @@ bench-gemma: $(STAMP)
 
 # Qwen2.5-Coder-0.5B-Instruct at 8K-32K: its gate-calibrated layout (bfloat16 and int8 KV) and
 # every head full against llama.cpp (flash attention on and off) and transformers (about
-# 1.5 hours here; llama.cpp's 32K prefill alone takes minutes per setting).
+# 3 hours on 2 cores: llama.cpp's 32K prefill takes 17 minutes, twice per setting). Tables
+# are written after every system, so a stopped run keeps what it measured.
 QWEN_LAYOUT := headwise/layouts/qwen2.5-coder-0.5b-instruct-gates-50-w1024.json
 bench-qwen: $(STAMP)
 	$(LLAMA_CPP)

@@ -101,7 +101,7 @@ def ratio_table(records: list[dict], skipped: dict[str, str], ref: str) -> str:
         if me is not None and len(settings) > 1:
             rt, won = best_ratios(me, settings)
             lines.append(f"| {L} | llama.cpp at its best | " + " | ".join(
-                f"{rt[k]:.2f}x ({won[k].removeprefix('llama.cpp-')})" for k in RATIO_KEYS) + " |")
+                f"{rt[k]:.2f}x ({won[k].replace('llama.cpp-', '')})" for k in RATIO_KEYS) + " |")
     for s, why in skipped.items():
         lines.append(f"\n{s}: skipped ({why})")
     return "\n".join(lines)
@@ -118,8 +118,9 @@ def best_ratios(me: dict, settings: list[dict]) -> tuple[dict[str, float], dict[
     best is our smallest ratio (every ratio is "ours over theirs", higher is better for us).
     -> (ratios, the system that won each figure)."""
     per = [(ratios(me, r), r["system"]) for r in settings]
-    best = {k: min(per, key=lambda p: p[0][k]) for k in RATIO_KEYS}
-    return {k: best[k][0][k] for k in RATIO_KEYS}, {k: best[k][1] for k in RATIO_KEYS}
+    best = {k: min(rt[k] for rt, _ in per) for k in RATIO_KEYS}
+    # a tie (KV bytes do not depend on the setting) names every setting that reached it
+    return best, {k: "/".join(s for rt, s in per if rt[k] == best[k]) for k in RATIO_KEYS}
 
 
 def ratios(me: dict, peer: dict) -> dict[str, float]:

@@ -62,9 +62,9 @@ def test_llama_cpp_compared_at_its_best_setting_per_figure():
     assert rt["ttft"] == 5.0 and won["ttft"] == "llama.cpp-fa"        # fa prefills faster
     assert rt["decode"] == 40.0 / 36.0 and won["decode"] == "llama.cpp-nofa"
     assert rt["aggregate"] == 200.0 / 90.0 and won["aggregate"] == "llama.cpp-fa"
-    assert rt["concurrency"] == 4.0
+    assert rt["concurrency"] == 4.0 and won["concurrency"] == "llama.cpp-fa/llama.cpp-nofa"  # a tie
     md = bench_peers.ratio_table([me, fa, nofa], {}, "headwise")
-    assert "| 8192 | llama.cpp at its best | 5.00x (fa) | 1.11x (nofa) |" in md
+    assert "| 8192 | llama.cpp at its best | 5.00x (fa) | 1.11x (nofa) | 1.00x (fa/nofa) |" in md
     # one setting alone: no best-of row
     assert "at its best" not in bench_peers.ratio_table([me, fa], {}, "headwise")
 
