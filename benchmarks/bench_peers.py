@@ -227,8 +227,9 @@ def write_results(out: Path, records: list[dict], skipped: dict, dtype: str, bud
                   ref: str) -> str:
     today = time.strftime("%Y-%m-%d")
     dates = sorted({r.get("date") or today for r in records} | {today})
+    merged_from = f"; records of {', '.join(dates)}" if len(dates) > 1 else ""
     table = (f"Machine: {machine()}; {dtype} (headwise, transformers); KV budget {budget_gib:g} GiB; "
-             f"median [min-max] of {runs} runs; {' and '.join(dates)}\n\n"
+             f"median [min-max] of {runs} runs{merged_from}\n\n"
              + ratio_table(records, skipped, ref))
     (out / "results.json").write_text(json.dumps(
         {"machine": machine(), "date": today, "dtype": dtype, "skipped": skipped,
