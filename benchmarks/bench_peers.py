@@ -35,6 +35,11 @@ from headwise.weights.loader import checkpoint_dtype  # noqa: E402
 FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
           "max_concurrency", "peak_rss_bytes")
 
+# llama.cpp's flash attention settings, run as separate systems; the ratio table adds a row
+# comparing each figure with the better of them and names which setting won it.
+LLAMA_SETTINGS = ("llama.cpp-fa", "llama.cpp-nofa")
+RATIO_KEYS = ("ttft", "decode", "kv", "concurrency", "aggregate")
+
 
 def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -105,12 +110,6 @@ def ratio_table(records: list[dict], skipped: dict[str, str], ref: str) -> str:
     for s, why in skipped.items():
         lines.append(f"\n{s}: skipped ({why})")
     return "\n".join(lines)
-
-
-# llama.cpp's flash attention settings, run as separate systems; the ratio table adds a row
-# comparing each figure with the better of them and names which setting won it.
-LLAMA_SETTINGS = ("llama.cpp-fa", "llama.cpp-nofa")
-RATIO_KEYS = ("ttft", "decode", "kv", "concurrency", "aggregate")
 
 
 def best_ratios(me: dict, settings: list[dict]) -> tuple[dict[str, float], dict[str, str]]:

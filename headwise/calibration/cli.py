@@ -83,8 +83,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
             raise ValueError("--select-from native: this model has no native layout (no sliding-window "
                              "layers); give a layout file")
         layout, how = _select(args, source, args.window, lengths)
-        if args.name:
-            layout.name = args.name
     else:
         t0 = time.perf_counter()
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
@@ -96,8 +94,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if three:
             layout, profiled = _select(args, layout, args.select_window, select_lengths)
             how += f"; {profiled}"
-        if args.name:
-            layout.name = args.name
+    if args.name:
+        layout.name = args.name
     layout.save(out)
     print(f"wrote {out}: {layout.summary} ({layout.full_fraction:.1%} keep every token), {how}")
     if args.plot:
