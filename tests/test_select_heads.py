@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
+from headwise.cache.manager import KVCacheManager
 from headwise.heads import select
 from headwise.heads.layout import HeadSpec, LayoutError
 
@@ -154,9 +155,13 @@ def test_choosing_every_page_equals_the_full_decode(llama):
     assert pages.tolist() == [3, 2, 4]
 
 
-@pytest.mark.parametrize("other,path", [("full", "kernel"), ("window", "kernel"), ("full", "torch"),
-                                        ("full", "triton")])
-def test_small_budget_equals_a_dense_reference_masking_the_chosen_pages(llama, other, path, monkeypatch):
+@pytest.mark.parametrize("other,path,budget", [("full", "kernel", 64), ("window", "kernel", 64),
+                                               ("full", "torch", 64), ("full", "triton", 64),
+                                               ("full", "kernel", 24), ("full", "torch", 24)])
+def test_small_budget_equals_a_dense_reference_masking_the_chosen_pages(llama, other, path, budget, monkeypatch):
+    """Budget 64: 4 pages of 16, the sink page, 2-3 window pages, the rest chosen. Budget
+    24 (= sink + window, 1 page): the sink and window pages alone are 3 or 4, so each
+    sequence attends exactly those, whatever the other sequence of its batch needs."""
     opts = {}
     if path == "torch":  # the PyTorch gather path, where the C kernel is not taken
         monkeypatch.setattr(select, "usable", lambda q, k: False)
@@ -164,7 +169,7 @@ def test_small_budget_equals_a_dense_reference_masking_the_chosen_pages(llama, o
         pytest.importorskip("triton")
         opts = dict(attention_backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
     probe = LLM(llama, head_layout="full", kv_cache_memory=1 << 24)
-    spec = HeadSpec("select", 4, 20, 64)  # 4 pages of 16: the sink page, 2 window pages, 1-2 chosen
+    spec = HeadSpec("select", 4, 20, budget)
     second = HeadSpec("full") if other == "full" else HeadSpec("window", 4, 32)
     layout = layout_with(probe.layout.shape, spec, second)
     llm = LLM(llama, head_layout=layout, kv_cache_memory=1 << 24, dtype="float32", **opts)
@@ -182,6 +187,31 @@ def test_small_budget_equals_a_dense_reference_masking_the_chosen_pages(llama, o
     with torch.no_grad():
         dense = torch.log_softmax(reference_logits(llm, full_ids, len(full_ids)), -1)
     assert (dense[len(p):] - ref[len(p):]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("caching,backend", [(True, "torch"), (False, "torch"), (True, "triton")])
+def test_a_preempted_sequence_recomputes_what_its_decode_attended(llama, caching, backend):
+    """Two sequences outgrow a small pool: the later one is preempted and recomputed from
+    its tokens, generated ones included. Its select heads attend those rows as its decode
+    steps did (each row over the pages its own length chose), so the output equals that of
+    an engine with room for both."""
+    shape = LLM(llama, head_layout="full", kv_cache_memory=1 << 24).layout.shape
+    layout = layout_with(shape, HeadSpec("select", 4, 8, 32), HeadSpec("window", 4, 8))
+    geo = KVCacheManager(layout, 4, 1 << 30, 2, torch.float32).geometry
+    opts = dict(head_layout=layout, block_size=4, dtype="float32", max_num_seqs=2)
+    if backend == "triton":  # block tables read in place (Triton's interpreter without a GPU)
+        pytest.importorskip("triton")
+        opts.update(attention_backend="triton", device="cuda" if torch.cuda.is_available() else "cpu")
+    small = LLM(llama, enable_prefix_caching=caching, kv_cache_memory=2 * geo.ring_bytes + 24 * geo.block_bytes,
+                **opts)
+    roomy = LLM(llama, kv_cache_memory=1 << 24, **opts)
+    prompts = [prompt(small, 40), prompt(small, 33)]
+    params = SamplingParams(max_tokens=40, ignore_eos=True, logprobs=0)
+    got, want = small.generate(prompts, params), roomy.generate(prompts, params)
+    assert sum(o.num_preemptions for o in got) > 0 and sum(o.num_preemptions for o in want) == 0
+    for g, w in zip(got, want):
+        assert g.token_ids == w.token_ids
+        assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
 
 
 @pytest.mark.parametrize("kv", ["auto", "int8"])
@@ -256,13 +286,13 @@ def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
     q = torch.randn(B, n * G, D, generator=g)
     K = select.page_count(lens.tolist(), W, BS, sink=4, window=20, budget=64)
     assert K == 4 and select.page_count([60, 33], W, BS, 4, 20, 64) is None  # 4 pages or fewer: all
-    sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, K, use_kernel=kernel)
+    sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, 64, K, use_kernel=kernel)
     assert sel.shape == (n, B, 4) and sel_lens.shape == (n, B)
     for h in range(n):
         assert sel[h].stride(-1) == 1 and sel_lens[h].stride(0) == 1
     bounds = select.page_bounds(q.view(B, n, G, D), summary[tables.long()])
     if kernel:  # both ways choose the same pages (entries past a sequence's pages are unused)
-        t_sel, t_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, K, use_kernel=False)
+        t_sel, t_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, 64, K, use_kernel=False)
         assert torch.equal(t_lens, sel_lens)
         for b in range(B):
             used = min(K, -(-int(lens[b]) // BS))

@@ -59,8 +59,8 @@ class _RecallProbe:
         if K is None:  # every page fits the budget
             chosen = torch.ones(R, n, P, dtype=torch.bool)
         else:
-            picked, counts = select_pages(q[rows].float(), summary, tables, lens, bs, self.sink, self.window, K,
-                                          use_kernel=False)  # [n, R, K] pages, [n, R] tokens
+            picked, counts = select_pages(q[rows].float(), summary, tables, lens, bs, self.sink, self.window,
+                                          self.budget, K, use_kernel=False)  # [n, R, K] pages, [n, R] tokens
             used = torch.arange(K)[None, None] < (-(-counts.long() // bs))[..., None]  # [n, R, K]
             # max, not overwrite: an unused entry may repeat a chosen page
             chosen = torch.zeros(R, n, P, dtype=torch.int8).scatter_reduce_(

@@ -119,7 +119,8 @@ class ModelRunner:
             pos.extend(range(start, start + n))
             slots.extend(cache.slot_mapping(sid, start, start + n))
             if i >= len(decodes):
-                ch = PrefillChunk(offset, start, n, cache.ring_slot(sid), meta.chunk_pages(sid, start, n))
+                ch = PrefillChunk(offset, start, n, cache.ring_slot(sid), meta.chunk_pages(sid, start, n),
+                                  generated_from=seq.num_prompt_tokens)
                 for kind, cls in self.ring_kinds:
                     ch.window[kind] = cls.prefill_geometry(start, n, kind.sink, kind.window, self.group_size,
                                                            self.dtype, dev, for_kernels=self.backend.PAGED)

@@ -8,7 +8,13 @@ Each block keeps, per select head, the per-channel minimum and maximum of its ke
 At each decode step a page's score is the Quest bound, an upper bound on q.k over the
 page's keys: sum_d max(q_d * min_d, q_d * max_d), the largest over the group's query
 heads; the top pages are attended exactly. Re-selected at every step: the bound reads
-2 * D values per page against the 2 * block_size * D of its K and V.
+2 * D values per page against the 2 * block_size * D of its K and V. A sequence's pages
+depend on its own length and query only, never on what it is batched with.
+
+Generated tokens' K/V are what decode computed with page selection. When a sequence is
+recomputed from its tokens (after preemption), the rows of its generated tokens are
+attended as its decode steps attended them, each a one-token sequence of its own length
+over the same pages and summaries, so that recomputing changes nothing.
 """
 from __future__ import annotations
 
@@ -56,6 +62,23 @@ class SelectHeads(FullHeads):
             step = self._step = (ctx, {"blocks": blocks, "lens": ctx.decode_lens.tolist() if ctx.num_decode else []})
         return step[1]
 
+    def attend(self, layer, group, ctx, q, kst, vst, out) -> None:
+        super().attend(layer, group, ctx, q, kst, vst, out)
+        for ch in ctx.prefills:  # rows of generated tokens, recomputed: as decode attended them
+            if ch.generated_from is None or ch.generated_from >= ch.start + ch.length:
+                continue
+            first = max(ch.start, ch.generated_from)
+            rows = slice(ch.offset + first - ch.start, ch.offset + ch.length)
+            lens = torch.arange(first + 1, ch.start + ch.length + 1)  # [R] tokens each row's step saw
+            table = _chunk_blocks(ctx, ch, layer.backend.PAGED)  # [P] int32
+            K = page_count(lens.tolist(), table.shape[0], ctx.block_size, group.sink, group.window, group.budget)
+            if K is None:  # every row attended all its pages: exact attention, as computed
+                continue
+            tables = table[None].expand(len(lens), -1).contiguous()  # [R, P]: one sequence per row
+            picked = select_pages(q[rows], group.summary, tables, lens, ctx.block_size, group.sink,
+                                  group.window, group.budget, K)
+            out[rows] = _IMPLS[layer.backend.NAME](q[rows], group, picked, ctx.block_size, layer.scale)
+
     def write(self, group, ctx, kst, vst) -> None:
         super().write(group, ctx, kst, vst)
         refresh_summaries(group, self._shared(ctx)["blocks"], ctx.block_size)
@@ -70,8 +93,18 @@ class SelectHeads(FullHeads):
             return super().decode(layer, group, ctx, q)
         # block tables [B, W] int32: StepMetadata builds them when a layout has select heads
         picked = select_pages(q, group.summary, ctx.decode.block_tables, ctx.decode_lens, ctx.block_size,
-                              group.sink, group.window, K)
+                              group.sink, group.window, group.budget, K)
         return _IMPLS[layer.backend.NAME](q, group, picked, ctx.block_size, layer.scale)
+
+
+def _chunk_blocks(ctx, ch, paged_backend: bool) -> torch.Tensor:
+    """[P] int32 blocks of a prefill chunk's sequence, positions [0, start + length): the
+    chunk's block table (backends that read pages in place), else from its slots."""
+    bs = ctx.block_size
+    if paged_backend:
+        return ch.pages[:-(-(ch.start + ch.length) // bs)].to(torch.int32)
+    slots = ctx.full_slots[ch.rows] if ch.start == 0 else ch.pages  # [start + length]
+    return (slots[::bs] // bs).to(torch.int32)
 
 
 def refresh_summaries(group, blocks: torch.Tensor, block_size: int) -> None:
@@ -107,16 +140,19 @@ def forced_pages(n: int, block_size: int, sink: int, window: int) -> int:
 
 
 def page_count(lens: list[int], width: int, block_size: int, sink: int, window: int, budget: int) -> int | None:
-    """K, the pages each select head attends this step: budget // block_size, or more
-    where a sequence's sink and window pages alone are more, at most the table's width;
-    None when every sequence has at most K pages (then it attends all of them)."""
-    K = min(width, max(budget // block_size, max(forced_pages(n, block_size, sink, window) for n in lens)))
-    return None if max(-(-n // block_size) for n in lens) <= K else K
+    """K, the width of a step's chosen-page tables: the most pages a sequence attends,
+    max(budget // block_size, its sink and window pages), at most the table's width; None
+    when every sequence has at most its own count of pages (then each attends all)."""
+    own = [max(budget // block_size, forced_pages(n, block_size, sink, window)) for n in lens]
+    if all(-(-n // block_size) <= k for n, k in zip(lens, own)):
+        return None
+    return min(width, max(own))
 
 
 def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, lens: torch.Tensor,
-                 block_size: int, sink: int, window: int, K: int, use_kernel: bool = True):
-    """The K pages each head of a select group attends at this decode step (page_count).
+                 block_size: int, sink: int, window: int, budget: int, K: int, use_kernel: bool = True):
+    """The pages each head of a select group attends at this decode step: per sequence
+    max(budget // block_size, its forced pages), in tables of width K (page_count).
 
     q [B, n*g, D]; summary [num_blocks, n, 2, D]; tables [B, W] int32 block tables; lens
     [B] tokens including the new one. Returns (tables [n, B, K] int32, lens [n, B]
@@ -126,7 +162,8 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     kernel (kernels/cpu_select.c) does it in one call."""
     B, W = tables.shape
     if use_kernel:
-        picked = cpu_kernels.select_pages(q, summary, tables, lens, block_size, sink, window, K)
+        picked = cpu_kernels.select_pages(q, summary, tables, lens, block_size, sink, window,
+                                          budget // block_size, K)
         if picked is not None:
             return picked
     n = summary.shape[1]
@@ -136,10 +173,11 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     forced = (p[None] * block_size < sink) | ((p[None] + 1) * block_size > (lens - window)[:, None])
     valid = p[None] < pages[:, None]                                    # [B, W]
     forced &= valid
+    own = forced.sum(1).clamp(min=budget // block_size)                 # [B] pages each attends
     s = page_bounds(q.view(B, n, -1, q.shape[-1]), summary[tables.long()])  # [B, n, W]
     s = s.masked_fill(forced[:, None], float("inf")).masked_fill(~valid[:, None], float("-inf"))
     top, idx = s.topk(K, dim=-1)                                        # [B, n, K]
-    chosen = top > float("-inf")
+    chosen = (top > float("-inf")) & (torch.arange(K, device=q.device) < own[:, None, None])
     idx, _ = idx.masked_fill(~chosen, W).sort(-1)                       # position order, unused last
     blocks = tables.long().gather(1, idx.clamp(max=W - 1).flatten(1)).view(B, n, K)
     count = chosen.sum(-1)                                              # [B, n]

@@ -153,16 +153,18 @@ def select_library() -> ctypes.CDLL | None:
     lib = _load("cpu_select")
     if lib is not None:
         lib.select_pages.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int,
-                                     _ptr, _i64, _ptr] + [_i64] * 8 + [_ptr, _ptr]
+                                     _ptr, _i64, _ptr] + [_i64] * 9 + [_ptr, _ptr]
         lib.select_pages.restype = ctypes.c_int
     return lib
 
 
 def select_pages(q: torch.Tensor, summary: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,
-                 block: int, sink: int, window: int, K: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+                 block: int, sink: int, window: int, budget_pages: int,
+                 K: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """cpu_select.c: q [B, n*g, D] and summary [blocks, n, 2, D] (float32 or bfloat16, unit
     inner stride; D a multiple of 16, g at most 16), table [B, W] int32, lens [B] int64 -> (tables [n, B, K], lens [n, B])
-    int32; None where the library or these inputs do not fit it."""
+    int32; None where the library or these inputs do not fit it. Each sequence takes
+    max(budget_pages, its forced pages), which K, the output's width, must hold."""
     lib = select_library()
     if (lib is None or q.device.type != "cpu" or q.dtype not in DTYPES or summary.dtype not in DTYPES
             or q.stride(-1) != 1 or summary.stride(-1) != 1 or summary.stride(-2) != summary.shape[-1]
@@ -177,7 +179,7 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, table: torch.Tensor, le
     rc = lib.select_pages(q.data_ptr(), q.stride(0), q.stride(1), DTYPES[q.dtype],
                           summary.data_ptr(), summary.stride(0), summary.stride(1), DTYPES[summary.dtype],
                           table.data_ptr(), table.stride(0), lens.data_ptr(), B, n, H // n, D, block, sink,
-                          window, K, out_t.data_ptr(), out_l.data_ptr())
+                          window, budget_pages, K, out_t.data_ptr(), out_l.data_ptr())
     if rc:
         raise RuntimeError(f"cpu_select.select_pages failed ({rc})")
     return out_t, out_l

@@ -6,10 +6,12 @@
  * then max, D values each) for head h is at summ + block * s_block + h * s_head. Its
  * bound is the largest over the head's g query rows of sum_d max(q_d * min_d, q_d * max_d).
  * Pages touching [0, sink) or the last `window` tokens are always chosen; the others by
- * bound (ties: the lower page) up to K pages in all. Output per (h, b): the chosen blocks
- * in page order at out_table[(h * B + b) * K ...] and their token count at
- * out_lens[h * B + b] (every page full but the sequence's last, which is always chosen).
- * A sequence of at most K pages gets all of them.
+ * bound (ties: the lower page) up to K_b = max(budget_pages, forced pages) in all: a
+ * sequence's own count, whatever else is in the batch, so its pages do not depend on
+ * what it is batched with. Output per (h, b): the chosen blocks in page order at
+ * out_table[(h * B + b) * K ...] (K: the width, at least every K_b) and their token count
+ * at out_lens[h * B + b] (every page full but the sequence's last, which is always
+ * chosen). A sequence of at most K_b pages gets all of them.
  *
  * Built and loaded by headwise/kernels/cpu_kernels.py like cpu_decode.c.
  */
@@ -54,7 +56,7 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
                  const void *summ, int64_t s_block, int64_t s_head, int s_bf16,  /* [blocks, n, 2, D] */
                  const int32_t *table, int64_t t_sb, const int64_t *lens,        /* [B, >= pages], [B] */
                  int64_t B, int64_t n, int64_t g, int64_t D, int64_t block, int64_t sink, int64_t window,
-                 int64_t K, int32_t *out_table, int32_t *out_lens)
+                 int64_t budget_pages, int64_t K, int32_t *out_table, int32_t *out_lens)
 {
     if (g > MAX_G || D > MAX_D || D % LANES || K < 1)
         return 1;
@@ -65,11 +67,15 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
             const int32_t *row = table + b * t_sb;
             int32_t *dst = out_table + (h * B + b) * K;
             int64_t c = 0;
-            if (P <= K) {
+            int64_t sink_end = (sink + block - 1) / block;                  /* pages [0, sink_end) */
+            int64_t win_start = len > window ? (len - window) / block : 0;  /* pages [win_start, P) */
+            int64_t forced = 0;
+            for (int64_t p = 0; p < P; p++) forced += p < sink_end || p >= win_start;
+            int64_t Kb = forced > budget_pages ? forced : budget_pages;
+            if ((P < Kb ? P : Kb) > K) { out_lens[h * B + b] = -2; continue; }  /* K too small a width */
+            if (P <= Kb) {
                 for (int64_t p = 0; p < P; p++) dst[c++] = row[p];
             } else {
-                int64_t sink_end = (sink + block - 1) / block;      /* pages [0, sink_end) */
-                int64_t win_start = len > window ? (len - window) / block : 0;  /* pages [win_start, P) */
                 float qp[MAX_G][MAX_D], qn[MAX_G][MAX_D];  /* q's positive and negative parts */
                 for (int64_t j = 0; j < g; j++)
                     for (int64_t d = 0; d < D; d++) {
@@ -77,9 +83,7 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
                         qp[j][d] = x > 0 ? x : 0;
                         qn[j][d] = x < 0 ? x : 0;
                     }
-                int64_t forced = 0;
-                for (int64_t p = 0; p < P; p++) forced += p < sink_end || p >= win_start;
-                int64_t k = K - forced;  /* pages chosen by bound */
+                int64_t k = Kb - forced;  /* pages chosen by bound */
                 Entry *heap = k > 0 ? malloc(k * sizeof(Entry)) : NULL;
                 char *take = calloc(P, 1);
                 if ((k > 0 && !heap) || !take) { free(heap); free(take); out_lens[h * B + b] = -1; continue; }

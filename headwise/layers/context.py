@@ -36,6 +36,9 @@ class PrefillChunk:
     # that holds the ring as of the chunk's start, and per ring kind the chunk rows
     # [r] (relative to the chunk) that the ring holds at the point and their ring entries [r]
     snapshots: list[tuple[int, dict[RingKind, tuple[torch.Tensor, torch.Tensor]]]] = field(default_factory=list)
+    # Position of the sequence's first generated token (its prompt's length): rows from
+    # there on recompute tokens a decode step computed (a preempted sequence); None: unknown
+    generated_from: int | None = None
 
     @property
     def rows(self) -> slice:
