@@ -142,6 +142,13 @@ def test_verdict_equal_and_not_equal():
     assert all(c.equal for c in v.cells) and v.lost == 6 and not v.equal
     text = quality.report(ref + same + worse, "full")
     assert "below" in text and "NOT equal" in text and "EQUAL to full" in text
+    # perplexity: a figure only where both were measured on the same source and length
+    assert text.count("perplexity not compared") == 2
+    ppl = [quality.SuiteRecord(name, "ppl:pydoc", 1024, None, 0, x) for name, x in (("full", 10.0), ("a", 10.5))]
+    text = quality.report(ref + same + ppl + [quality.SuiteRecord("b", "ppl:man", 1024, None, 0, 9.0)] + worse,
+                          "full")
+    assert "- a: EQUAL to full;" in text and "perplexity at most +5.0% over full's" in text
+    assert "- b: NOT equal" in text and text.count("perplexity not compared") == 1
 
 
 def test_suite_records_round_trip(tmp_path):

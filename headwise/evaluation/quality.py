@@ -167,13 +167,15 @@ def report(records: list[SuiteRecord], ref: str) -> str:
         lines.append(f"| {c.family} | {c.length} | " + " | ".join(row) + " |")
     lines.append("")
     for v in verdicts:
-        worst = max((l / r - 1 for r, l in v.ppl.values()), default=0.0)
+        if v.ppl:
+            ppl = f"perplexity at most {max(l / r - 1 for r, l in v.ppl.values()):+.1%} over {ref}'s"
+        else:  # never a figure where one of the two was not measured
+            ppl = f"perplexity not compared (none of {ref} and {v.layout} at the same source and length)"
         lines.append(f"- {v.layout}: {'EQUAL to' if v.equal else 'NOT equal to'} {ref}; "
                      f"{sum(not c.equal for c in v.cells)} of {len(v.cells)} cells below the interval; "
                      f"fails {v.lost} of the {v.ref_passed} prompts {ref} passes ({v.lost_fraction:.1%}, "
                      f"limit {MAX_LOST:.0%}); mean score {v.mean:.1%} ({ref} "
-                     f"{sum(c.ref_mean for c in v.cells) / max(1, len(v.cells)):.1%}); "
-                     f"perplexity at most {worst:+.1%} over {ref}'s")
+                     f"{sum(c.ref_mean for c in v.cells) / max(1, len(v.cells)):.1%}); {ppl}")
     return "\n".join(lines)
 
 
