@@ -30,9 +30,10 @@ install: $(STAMP)
 demo: $(STAMP)
 	.venv/bin/headwise demo
 
-# Two workers, a test file each at a time (module fixtures load their model once).
+# Two workers, a test file each at a time (module fixtures load their model once), the
+# longest files first (tests/conftest.py).
 test: $(STAMP)
-	$(PY) -m pytest -n 2 --dist loadfile tests
+	$(PY) -m pytest -n 2 --dist loadfile --no-loadscope-reorder tests
 
 # The quality suite (docs/quality.md): every family x length x 5 depths x 3 seeds, full
 # attention against the shipped layout, 95% intervals and the verdict (about an hour here).
