@@ -65,18 +65,15 @@ class TransformersSystem:
     def __init__(self, model: str | None, dtype: str) -> None:
         from transformers import AutoModelForCausalLM
 
-        from headwise.tokenizer import Tokenizer
-        from headwise.weights.loader import resolve_model_path
-        from headwise.weights.registry import cache_dir
+        from headwise.weights.loader import load_tokenizer, resolve_model_path
 
         p = resolve_model_path(model)
         dt = DTYPES[dtype]
         if p.is_file():
             self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dt)
-            self.tok = Tokenizer.from_path(p.parent, p.name, cache=cache_dir())
         else:
             self.hf = AutoModelForCausalLM.from_pretrained(str(p), dtype=dt)
-            self.tok = Tokenizer.from_path(p)
+        self.tok = load_tokenizer(str(p))
         self.hf.eval()
         c = self.hf.config
         self.per_layer_token = 2 * c.num_key_value_heads * (

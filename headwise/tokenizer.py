@@ -25,17 +25,20 @@ class Tokenizer:
 
     @classmethod
     def from_path(cls, directory: Path, gguf_file: str | None = None,
-                  cache: Path | None = None) -> "Tokenizer":
+                  cache: Path | None = None, tokenizer_type: str | None = None) -> "Tokenizer":
         """From a HF directory, or from a GGUF file's metadata. Building one from GGUF
         metadata takes seconds (13 s for Gemma 3's 262K tokens): with `cache` (a
         directory) the result is saved once per GGUF file and loaded from there after,
-        straight from its tokenizer.json where that was checked to tokenize the same."""
+        straight from its tokenizer.json where that was checked to tokenize the same.
+        tokenizer_type: the type AutoTokenizer would pick from the GGUF's config
+        (weights.loader.TOKENIZER_TYPES), so that it need not build that config."""
         from transformers import AutoTokenizer
 
         if not gguf_file:
             return cls(AutoTokenizer.from_pretrained(str(directory)))
+        by_type = {"tokenizer_type": tokenizer_type} if tokenizer_type else {}
         if cache is None:
-            return cls(AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file))
+            return cls(AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file, **by_type))
         gguf = (Path(directory) / gguf_file).resolve()
         st = gguf.stat()
         key = hashlib.sha256(f"{gguf}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:16]
@@ -51,7 +54,7 @@ class Tokenizer:
                 return cls(hf)
             except (OSError, ValueError) as e:
                 log.warning("cached tokenizer %s is unreadable (%s); rebuilding it", saved, e)
-        hf = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file)
+        hf = AutoTokenizer.from_pretrained(str(directory), gguf_file=gguf_file, **by_type)
         tmp = saved.with_name(f".{saved.name}.{os.getpid()}.tmp")
         try:
             hf.save_pretrained(str(tmp))

@@ -88,3 +88,17 @@ def test_split_layout_prefix_hits_disk_tier_server_and_int8(qwen, tmp_path):
     out = q.chat([{"role": "user", "content": "What is 2 + 3? Reply with the number only."}],
                  SamplingParams(max_tokens=16))[0]
     assert out.text.strip() == "5", out.text
+
+
+def test_tokenizer_by_type_is_the_one_autotokenizer_builds(qwen):
+    """weights.loader.TOKENIZER_TYPES: naming the tokenizer type skips AutoTokenizer's
+    config pass over the file; the tokenizer is the same as without it."""
+    from transformers import AutoTokenizer
+
+    from headwise.tokenizer import Tokenizer, _same_tokenizer
+    from headwise.weights.loader import TOKENIZER_TYPES
+
+    path, _ = qwen
+    fast = Tokenizer.from_path(path.parent, path.name, tokenizer_type=TOKENIZER_TYPES["qwen2"]).hf
+    auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(fast) is type(auto) and _same_tokenizer(auto, fast)

@@ -61,11 +61,21 @@ def read_model_config(model: str | None) -> ModelConfig:
         read_hf_config(path, model_name(path))
 
 
+# GGUF architectures and the tokenizer type transformers' AutoTokenizer picks for them.
+# Named, AutoTokenizer goes straight to that tokenizer class; unnamed, it first builds the
+# model's whole config from the file with the gguf package's reader, which walks every
+# vocabulary and merge string in Python (23 of the 31 s a first load of Qwen2.5-Coder-1.5B's
+# tokenizer took here). An architecture is named here once a test shows both ways build
+# the same tokenizer (tests/test_qwen.py); others take AutoTokenizer's own way.
+TOKENIZER_TYPES = {"qwen2": "qwen2"}
+
+
 def load_tokenizer(model: str | None) -> Tokenizer:
     """The model's tokenizer alone: from a GGUF's metadata (cached per file) or a HF directory."""
     path = resolve_model_path(model)
     if path.is_file():
-        return Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir())
+        kind = TOKENIZER_TYPES.get(GGUFFile(path).get("general.architecture"))
+        return Tokenizer.from_path(path.parent, gguf_file=path.name, cache=cache_dir(), tokenizer_type=kind)
     return Tokenizer.from_path(path)
 
 
