@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import platform
 import shutil
+import threading
 
 import pytest
 import torch
@@ -203,8 +204,31 @@ def fresh_build(tmp_path, monkeypatch):
 
 
 def _forget_libraries() -> None:
-    for f in (cpu_kernels._load, cpu_kernels.library, cpu_kernels.pointwise_library, cpu_kernels.matmul_library):
+    for f in (cpu_kernels._load, cpu_kernels.library, cpu_kernels.pointwise_library, cpu_kernels.matmul_library,
+              cpu_kernels.select_library):
         f.cache_clear()
+
+
+def test_kernels_built_beside_each_other_are_compiled_once(fresh_build, monkeypatch):
+    """An engine builds its kernels on a thread while its weights load (build_for_engine),
+    and another caller may ask for one meanwhile: each kernel is compiled once, and every
+    caller gets it."""
+    real = shutil.which("cc") or shutil.which("gcc")
+    calls = fresh_build / "compiles"
+    wrapper = fresh_build / "cc-counting"
+    wrapper.write_text(f'#!/bin/sh\ncase "$*" in *--version*) ;; *) echo "$*" >> {calls} ;; esac\nexec {real} "$@"\n')
+    wrapper.chmod(0o755)
+    monkeypatch.setenv("CC", str(wrapper))
+    got = []
+    threads = [threading.Thread(target=cpu_kernels.build_for_engine, args=(True,)) for _ in range(2)]
+    threads.append(threading.Thread(target=lambda: got.append(cpu_kernels.library())))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sources = [line.split(".c ")[0].rsplit("/", 1)[-1] for line in calls.read_text().splitlines()]
+    assert sorted(sources) == ["cpu_decode", "cpu_matmul", "cpu_pointwise", "cpu_select"]
+    assert got[0] is not None and cpu_kernels.select_library() is not None
 
 
 def test_a_failing_compiler_means_pytorch_attention(fresh_build, monkeypatch, caplog):

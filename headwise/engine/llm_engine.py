@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,7 @@ from headwise.engine.grammar import GrammarCompiler, consume
 from headwise.engine.sequence import Sequence
 from headwise.heads.base import PAGED, head_class
 from headwise.heads.layout import resolve_layout
+from headwise.kernels import cpu_kernels
 from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.errors import InvalidParameterError
@@ -110,8 +112,14 @@ class LLMEngine:
             permute_model_heads(self.model, self.layout)
             self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
         else:
-            self.model = self._prepared_model(config, mcfg)
-            self.tokenizer = load_tokenizer(config.model)
+            # Beside the weights, whose preparation leaves a core idle for much of its time:
+            # the tokenizer and, on the CPU, the C kernels (a first build runs the compiler).
+            with ThreadPoolExecutor(2, thread_name_prefix="engine-start") as pool:
+                tokenizer = pool.submit(load_tokenizer, config.model)
+                if config.torch_device.type == "cpu":
+                    pool.submit(cpu_kernels.build_for_engine, "select" in self.layout.class_counts())
+                self.model = self._prepared_model(config, mcfg)
+                self.tokenizer = tokenizer.result()
         release_freed_heap()  # before the KV pools are allocated
         keep_freed_heap()  # then a step's temporaries reuse memory instead of faulting in pages
         limit = mcfg.max_position_embeddings

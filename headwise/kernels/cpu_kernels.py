@@ -20,6 +20,7 @@ import os
 import platform
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import torch
@@ -79,12 +80,20 @@ def _build(cc: str, source: Path, flags: list[str], out: Path) -> None:
         tmp.unlink(missing_ok=True)
 
 
+_BUILDING = threading.Lock()  # one build at a time: a second caller waits, then finds it built
+
+
 @functools.cache
 def _load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled HERE/`name`.c (flags FLAG_SETS + extra), or None (turned off, no
     working compiler)."""
     if os.environ.get("HEADWISE_CPU_KERNELS", "1") == "0":
         return None
+    with _BUILDING:
+        return _built(name, extra)
+
+
+def _built(name: str, extra: tuple[str, ...]) -> ctypes.CDLL | None:
     source = HERE / f"{name}.c"
     try:
         cc = _compiler()
@@ -111,6 +120,15 @@ def _load(name: str, extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
         return lib
     log.warning("CPU kernels (%s) unavailable, using PyTorch's code: %s", name, error)
     return None
+
+
+def build_for_engine(select: bool) -> None:
+    """Build (or find built) the kernels a CPU engine runs, select's where its layout has
+    select heads: an engine starts this beside loading its weights, so that a first build
+    runs the compiler, in processes of its own, while the weights load."""
+    library(), pointwise_library(), matmul_library()
+    if select:
+        select_library()
 
 
 @functools.cache
