@@ -49,6 +49,7 @@ APP_NAME = "headwise"
 ENGINE = "HeadwiseEngine"
 INGRESS = "HeadwiseIngress"
 HEALTH_TIMEOUT_S = 10.0
+REPLICA_HEALTH_CHECK_TIMEOUT_S = 30  # Serve's health check of a replica, and of its HTTP proxy
 # A replica lost before it admitted a request: the request is sent again (Serve's router
 # has dropped the dead replica by then), this many times in all.
 ADMIT_ATTEMPTS = 3
@@ -268,7 +269,8 @@ def build_app(model: str, engine_options: dict[str, Any] | None = None, *, repli
         max_ongoing_requests=cfg.max_num_seqs + max_queue,
         request_router_config=RequestRouterConfig(request_router_class=ROUTERS[routing],
                                                   request_router_kwargs=router_kwargs),
-        health_check_period_s=5, health_check_timeout_s=30, graceful_shutdown_timeout_s=shutdown_timeout,
+        health_check_period_s=5, health_check_timeout_s=REPLICA_HEALTH_CHECK_TIMEOUT_S,
+        graceful_shutdown_timeout_s=shutdown_timeout,
         logging_config=QUIET)
     ingress = serve.deployment(Ingress, name=INGRESS).options(
         num_replicas=1, ray_actor_options={"num_cpus": 0}, max_ongoing_requests=10_000, logging_config=QUIET)
@@ -302,6 +304,12 @@ def start_ray(address: str | None, num_cpus: int | None = None) -> None:
     if address:
         ray.init(address=address, include_dashboard=False, logging_level=logging.WARNING)
     else:
+        # Serve's HTTP proxy shares the cores with CPU engines that keep them all busy: on
+        # two loaded cores here it was not ready within Serve's 5 s three times in a row,
+        # and Serve killed it (its health checks allow 10 s). It gets as long as the
+        # replicas do. (Read by Serve's controller, a process of the Ray started here.)
+        for check in ("READY", "HEALTH"):
+            os.environ.setdefault(f"RAY_SERVE_PROXY_{check}_CHECK_TIMEOUT_S", str(REPLICA_HEALTH_CHECK_TIMEOUT_S))
         ray.init(num_cpus=num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  logging_level=logging.WARNING)
 
