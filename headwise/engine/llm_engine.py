@@ -117,7 +117,8 @@ class LLMEngine:
             with ThreadPoolExecutor(2, thread_name_prefix="engine-start") as pool:
                 tokenizer = pool.submit(load_tokenizer, config.model)
                 if config.torch_device.type == "cpu":
-                    pool.submit(cpu_kernels.build_for_engine, "select" in self.layout.class_counts())
+                    pages_chosen = any(head_class(c).page_summary for c in self.layout.class_counts())
+                    pool.submit(cpu_kernels.build_for_engine, pages_chosen)
                 self.model = self._prepared_model(config, mcfg)
                 self.tokenizer = tokenizer.result()
         release_freed_heap()  # before the KV pools are allocated

@@ -122,12 +122,13 @@ def _built(name: str, extra: tuple[str, ...]) -> ctypes.CDLL | None:
     return None
 
 
-def build_for_engine(select: bool) -> None:
-    """Build (or find built) the kernels a CPU engine runs, select's where its layout has
-    select heads: an engine starts this beside loading its weights, so that a first build
-    runs the compiler, in processes of its own, while the weights load."""
+def build_for_engine(pages_chosen: bool) -> None:
+    """Build (or find built) the kernels a CPU engine runs, page selection's where its
+    layout has heads that choose pages by key summaries (HeadClass.page_summary): an engine
+    starts this beside loading its weights, so that a first build runs the compiler, in
+    processes of its own, while the weights load."""
     library(), pointwise_library(), matmul_library()
-    if select:
+    if pages_chosen:
         select_library()
 
 
