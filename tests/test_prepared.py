@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import logging
 import shutil
+import socket
+import subprocess
 
 import pytest
 import torch
@@ -115,8 +117,14 @@ def test_eviction_keeps_the_bound_and_the_newest(tmp_path):
     fresh = tmp_path / ".tmp-writing"
     fresh.mkdir()
     P._evict(tmp_path, 2100, keep=tmp_path / "new")
+    # a writer that died on this host (its pid runs no more) is gone at once; a live one stays
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (tmp_path / f".tmp-{'a' * 32}-{socket.gethostname()}-{dead.pid}-0123abcd").mkdir()
+    (tmp_path / f".tmp-{'b' * 32}-{socket.gethostname()}-{os.getpid()}-0123abcd").mkdir()
     P._sweep(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".tmp-writing", "mid", "new"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
+        ".tmp-writing", f".tmp-{'b' * 32}-{socket.gethostname()}-{os.getpid()}-0123abcd", "mid", "new"])
 
 
 def test_background_compile_takes_over_without_changing_tokens(tiny_models):

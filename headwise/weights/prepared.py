@@ -29,6 +29,7 @@ import json
 import logging
 import os
 import shutil
+import socket
 import threading
 import time
 import uuid
@@ -160,7 +161,7 @@ class PreparedWeights:
     def save_in_background(self, model: CausalLM) -> None:
         """Write the entry on a thread (engine start does not wait; the process's exit
         does); nothing where it exists or another writer is at it."""
-        if self.dir.exists() or any(self.root.glob(f".tmp-{self.key}-*")):
+        if self.dir.exists() or any(not _dead(p) for p in self.root.glob(f".tmp-{self.key}-*")):
             return
         # Not a daemon: a process that ends sooner (a one-shot generate) finishes the entry
         # first, so the next start finds it. The tensors are listed here, on the caller's
@@ -180,7 +181,7 @@ class PreparedWeights:
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         _sweep(self.root)
-        tmp = self.root / f".tmp-{self.key}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        tmp = self.root / f".tmp-{self.key}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
             entries = []
@@ -255,14 +256,36 @@ def _config_json(cfg: ModelConfig) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg), default=str))
 
 
+def _dead(tmp: Path) -> bool:
+    """Whether a temporary directory's writer is gone: its process (named in the directory,
+    .tmp-<key>-<host>-<pid>-<random>) no longer runs on this host, or, on another host
+    sharing the cache directory, it is older than STALE_TMP_S. A writer killed part way
+    (a process ended with os._exit) would otherwise keep every start from writing the
+    entry for an hour."""
+    try:
+        if time.time() - tmp.stat().st_mtime > STALE_TMP_S:
+            return True
+    except OSError:
+        return True
+    parts = tmp.name.rsplit("-", 2)  # [".tmp-<key>-<host>", pid, random]
+    head = parts[0].split("-", 2)
+    if len(parts) != 3 or len(head) != 3 or head[2] != socket.gethostname() or not parts[1].isdigit():
+        return False
+    pid = parts[1]
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except PermissionError:  # another user's process: alive
+        pass
+    return False
+
+
 def _sweep(root: Path) -> None:
     """Remove temporary directories of writers that died."""
     for p in root.glob(".tmp-*"):
-        try:
-            if time.time() - p.stat().st_mtime > STALE_TMP_S:
-                shutil.rmtree(p, ignore_errors=True)
-        except OSError:
-            pass
+        if _dead(p):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def _evict(root: Path, bound: int, keep: Path) -> None:
