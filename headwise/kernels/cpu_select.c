@@ -69,8 +69,9 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
             int64_t c = 0;
             int64_t sink_end = (sink + block - 1) / block;                  /* pages [0, sink_end) */
             int64_t win_start = len > window ? (len - window) / block : 0;  /* pages [win_start, P) */
-            int64_t forced = 0;
-            for (int64_t p = 0; p < P; p++) forced += p < sink_end || p >= win_start;
+            if (sink_end > P) sink_end = P;
+            /* both ranges, less their overlap (heads/select.py forced_pages) */
+            int64_t forced = sink_end + (P - win_start) - (sink_end > win_start ? sink_end - win_start : 0);
             int64_t Kb = forced > budget_pages ? forced : budget_pages;
             if ((P < Kb ? P : Kb) > K) { out_lens[h * B + b] = -2; continue; }  /* K too small a width */
             if (P <= Kb) {

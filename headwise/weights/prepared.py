@@ -267,13 +267,11 @@ def _dead(tmp: Path) -> bool:
             return True
     except OSError:
         return True
-    parts = tmp.name.rsplit("-", 2)  # [".tmp-<key>-<host>", pid, random]
-    head = parts[0].split("-", 2)
-    if len(parts) != 3 or len(head) != 3 or head[2] != socket.gethostname() or not parts[1].isdigit():
+    parts = tmp.name.split("-", 2)[-1].rsplit("-", 2)  # past ".tmp-<key>-": [host, pid, random]
+    if len(parts) != 3 or parts[0] != socket.gethostname() or not parts[1].isdigit():
         return False
-    pid = parts[1]
     try:
-        os.kill(int(pid), 0)
+        os.kill(int(parts[1]), 0)
     except ProcessLookupError:
         return True
     except PermissionError:  # another user's process: alive
