@@ -2,6 +2,8 @@
 whose Quest bound is highest within a budget. Checked against full attention (a budget
 that covers the context) and against a dense reference that masks exactly the pages the
 bound chooses, recomputed here from the keys, not from the engine's summaries."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -9,6 +11,8 @@ from headwise import LLM, HeadLayout, SamplingParams
 from headwise.cache.manager import KVCacheManager
 from headwise.heads import select
 from headwise.heads.layout import HeadSpec, LayoutError
+from headwise.kernels import cpu_kernels
+from headwise.layers.kv_tensor import KVTensor
 
 BS = 16  # block size (the engine's default)
 
@@ -272,13 +276,40 @@ def test_select_profile_turns_full_heads_whose_pages_hold_the_mass_into_select(l
                       engine_options=opts)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_summary_refresh_kernel_equals_pytorch(dtype):
+    """refresh_summaries through cpu_select.c and through PyTorch: per-channel min and max
+    of each written block's keys, for every head, other blocks untouched; the keys a view
+    of a pool holding more heads (as a head group's are)."""
+    if cpu_kernels.select_library() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    n, D, blocks = 2, 32, 10
+    g = torch.Generator().manual_seed(0)
+    pool = torch.randn(n + 1, blocks * BS, D, generator=g).to(dtype)  # [heads, slots, D]
+    k = KVTensor(pool[1:], None, dtype)  # the group's heads: not the pool's first
+    written = torch.tensor([7, 2, 4])
+    summaries = []
+    for kernel in (True, False):
+        summary = torch.full((blocks, n, 2, D), 99.0, dtype=dtype)
+        group = SimpleNamespace(k=k, summary=summary)
+        select.refresh_summaries(group, written, BS, use_kernel=kernel)
+        summaries.append(summary)
+    assert torch.equal(summaries[0], summaries[1])
+    keys = pool[1:].view(n, blocks, BS, D)[:, 4]  # [n, BS, D]
+    assert torch.equal(summaries[0][4], torch.stack((keys.amin(1), keys.amax(1)), 1))
+    assert (summaries[0][[0, 1, 3, 5, 6, 8, 9]] == 99).all()
+    assert cpu_kernels.refresh_summaries(k.data, written, BS, summaries[0])  # the kernel took it
+
+
 @pytest.mark.parametrize("kernel", [True, False])
 @pytest.mark.parametrize("B", [1, 3])
 def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
     """select_pages alone, through the C kernel (kernels/cpu_select.c) and PyTorch: forced
     pages, budget, position order with the partial page last, lengths, and tables the C
     attention kernel takes (unit strides, even for one sequence)."""
-    n, G, D, W = 3, 2, 8, 12
+    if kernel and cpu_kernels.select_library() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    n, G, D, W = 3, 2, 16, 12  # D: the kernel takes multiples of 16
     g = torch.Generator().manual_seed(B)
     summary = torch.randn(40, n, 2, D, generator=g).sort(dim=2).values  # min <= max
     tables = torch.randperm(40, generator=g)[:B * W].view(B, W).to(torch.int32)
@@ -287,6 +318,8 @@ def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
     K = select.page_count(lens.tolist(), W, BS, sink=4, window=20, budget=64)
     assert K == 4 and select.page_count([60, 33], W, BS, 4, 20, 64) is None  # 4 pages or fewer: all
     sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, 64, K, use_kernel=kernel)
+    if kernel:  # the C kernel took these inputs (select_pages would fall back to PyTorch)
+        assert cpu_kernels.select_pages(q, summary, tables, lens, BS, 4, 20, 64 // BS, K) is not None
     assert sel.shape == (n, B, 4) and sel_lens.shape == (n, B)
     for h in range(n):
         assert sel[h].stride(-1) == 1 and sel_lens[h].stride(0) == 1

@@ -107,10 +107,14 @@ def _chunk_blocks(ctx, ch, paged_backend: bool) -> torch.Tensor:
     return (slots[::bs] // bs).to(torch.int32)
 
 
-def refresh_summaries(group, blocks: torch.Tensor, block_size: int) -> None:
+def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: bool = True) -> None:
     """Recompute the key summaries of `blocks` [m] from all block_size keys each holds.
     Rows past a partial block's fill hold stale keys: the bound they give is looser,
-    never lower (and a sequence's last page is always attended anyway)."""
+    never lower (and a sequence's last page is always attended anyway). On the CPU the C
+    kernel (kernels/cpu_select.c) does it in one call for plainly stored keys."""
+    if group.k.scale is None and use_kernel and cpu_kernels.refresh_summaries(group.k.data, blocks, block_size,
+                                                                             group.summary):
+        return
     n, D = group.k.shape[0], group.k.shape[-1]
     k = group.k.data.view(n, -1, block_size, D)[:, blocks]  # [n, m, bs, D]
     if group.k.scale is not None:

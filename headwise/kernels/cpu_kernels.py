@@ -174,7 +174,28 @@ def select_library() -> ctypes.CDLL | None:
         lib.select_pages.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _i64, ctypes.c_int,
                                      _ptr, _i64, _ptr] + [_i64] * 9 + [_ptr, _ptr]
         lib.select_pages.restype = ctypes.c_int
+        lib.refresh_summaries.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr] + [_i64] * 4 + [_ptr, _i64, _i64]
+        lib.refresh_summaries.restype = ctypes.c_int
     return lib
+
+
+def refresh_summaries(k: torch.Tensor, blocks: torch.Tensor, block: int, summary: torch.Tensor) -> bool:
+    """cpu_select.c: the key summaries [blocks, n, 2, D] of `blocks` [m] int64 from the
+    pool's keys k [n, ..., D], key rows at stride(-2), a block's rows consecutive (the
+    summary's dtype, float32 or bfloat16, unit inner strides). False (nothing written) where the library or these inputs do not fit it."""
+    lib = select_library()
+    if (lib is None or k.device.type != "cpu" or k.dtype not in DTYPES or summary.dtype != k.dtype
+            or k.stride(-1) != 1 or summary.stride(-1) != 1 or summary.stride(-2) != summary.shape[-1]
+            or blocks.dtype != torch.int64 or k.shape[-1] > 512):
+        return False
+    blocks = blocks.contiguous()
+    n, D = k.shape[0], k.shape[-1]
+    rc = lib.refresh_summaries(k.data_ptr(), k.stride(0), k.stride(-2), DTYPES[k.dtype], blocks.data_ptr(),
+                               blocks.numel(), n, block, D, summary.data_ptr(), summary.stride(0),
+                               summary.stride(1))
+    if rc:
+        raise RuntimeError(f"cpu_select.refresh_summaries failed ({rc})")
+    return True
 
 
 def select_pages(q: torch.Tensor, summary: torch.Tensor, table: torch.Tensor, lens: torch.Tensor,

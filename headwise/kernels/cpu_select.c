@@ -1,4 +1,5 @@
-/* Page selection of the `select` head class (headwise/heads/select.py) on the CPU: for
+/* Page selection of the `select` head class (headwise/heads/select.py) on the CPU, and
+ * the refresh of its key summaries (refresh_summaries, at the end). Selection: for
  * every decode sequence b and select KV head h, the pages it attends this step, in one
  * call (the PyTorch version is a dozen small ops per layer, ~0.6 ms at 8K tokens).
  *
@@ -34,6 +35,35 @@ static inline float load1(const void *base, int64_t off, int bf16)
     return ((const float *)base)[off];
 }
 
+/* n values from base + off as floats: one pass per dtype, so the bfloat16 widening
+ * vectorises (a per-element dtype branch kept the page loop scalar) */
+typedef union { float f[2 * MAX_D]; uint32_t u[2 * MAX_D]; } Row;
+
+static inline void load_row(const void *base, int64_t off, int bf16, Row *dst, int64_t n)
+{
+    if (bf16) {
+        const uint16_t *src = (const uint16_t *)base + off;
+        for (int64_t i = 0; i < n; i++) dst->u[i] = (uint32_t)src[i] << 16;
+    } else {
+        memcpy(dst->f, (const float *)base + off, n * sizeof(float));
+    }
+}
+
+typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));  /* GCC and Clang */
+typedef float vhalf __attribute__((vector_size(LANES / 2 * sizeof(float))));
+typedef float vquarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
+
+/* Sum of the LANES lanes: halves added pairwise, one fixed order
+ * for a build (element reads, not memcpy: the accumulator stays in registers) */
+static inline float hsum(vlanes v)
+{
+    vhalf s8;
+    for (int l = 0; l < LANES / 2; l++) s8[l] = v[l] + v[l + LANES / 2];
+    vquarter s4;
+    for (int l = 0; l < LANES / 4; l++) s4[l] = s8[l] + s8[l + LANES / 4];
+    return (s4[0] + s4[2]) + (s4[1] + s4[3]);
+}
+
 typedef struct { float v; int32_t p; } Entry;
 
 /* a ranks below b: smaller bound, or equal bound and a later page */
@@ -60,7 +90,7 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
 {
     if (g > MAX_G || D > MAX_D || D % LANES || K < 1)
         return 1;
-#pragma omp parallel for collapse(2) schedule(dynamic, 1)
+#pragma omp parallel for collapse(2) schedule(dynamic, 1) if (B * n > 1)
     for (int64_t b = 0; b < B; b++) {
         for (int64_t h = 0; h < n; h++) {
             int64_t len = lens[b], P = (len + block - 1) / block;
@@ -89,26 +119,28 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
                 char *take = calloc(P, 1);
                 if ((k > 0 && !heap) || !take) { free(heap); free(take); out_lens[h * B + b] = -1; continue; }
                 int64_t used = 0;
-                float lo[MAX_D], hi[MAX_D];
+                Row lohi;  /* the page's key minimum, then maximum: [2, D] */
+                const float *lo = lohi.f, *hi = lohi.f + D;
                 for (int64_t p = 0; p < P; p++) {
                     if (p < sink_end || p >= win_start) { take[p] = 1; continue; }
                     if (k <= 0) continue;
-                    const int64_t base = (int64_t)row[p] * s_block + h * s_head;
-                    for (int64_t d = 0; d < D; d++) {
-                        lo[d] = load1(summ, base + d, s_bf16);
-                        hi[d] = load1(summ, base + D + d, s_bf16);
-                    }
+                    load_row(summ, (int64_t)row[p] * s_block + h * s_head, s_bf16, &lohi, 2 * D);
                     float best = -__builtin_inff();
                     for (int64_t j = 0; j < g; j++) {
-                        /* LANES partial sums, one per lane, added at the end: vectorises
-                         * without reassociating a float sum */
-                        float acc[LANES] = {0};
-                        for (int64_t d0 = 0; d0 < D; d0 += LANES)
-                            for (int l = 0; l < LANES; l++)
-                                acc[l] += qp[j][d0 + l] * hi[d0 + l] + qn[j][d0 + l] * lo[d0 + l];
-                        float s = 0;
-                        for (int l = 0; l < LANES; l++) s += acc[l];
-                        best = s > best ? s : best;
+                        /* LANES partial sums in one vector, halved pairwise at the end: the
+                         * sum is vectorised without reassociating it per build, and its last
+                         * adds form a tree of depth log2(LANES) in registers */
+                        vlanes acc = {0};
+                        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+                            vlanes a, b, c, e;
+                            memcpy(&a, &qp[j][d0], sizeof a);
+                            memcpy(&b, &hi[d0], sizeof b);
+                            memcpy(&c, &qn[j][d0], sizeof c);
+                            memcpy(&e, &lo[d0], sizeof e);
+                            acc += a * b + c * e;
+                        }
+                        float sum = hsum(acc);
+                        best = sum > best ? sum : best;
                     }
                     Entry e = {best, (int32_t)p};
                     if (used < k) {  /* fill, then keep the heap property */
@@ -132,5 +164,44 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
     }
     for (int64_t i = 0; i < B * n; i++)
         if (out_lens[i] < 0) return 2;
+    return 0;
+}
+
+/* The key summaries of the blocks a step wrote: for each of blocks[0..m) and head
+ * h < n, the per-channel minimum then maximum over the block's `block` key rows (row r
+ * of block blk at k + h * k_sh + (blk * block + r) * k_sr), written to summ + blk *
+ * s_block + h * s_head as [2, D]. Keys and summaries share one dtype, float32 or
+ * bfloat16, so a minimum or maximum is stored exactly (heads/select.py refresh_summaries
+ * is the PyTorch version, and the one for quantized keys). */
+int refresh_summaries(const void *k, int64_t k_sh, int64_t k_sr, int bf16, const int64_t *blocks,
+                      int64_t m, int64_t n, int64_t block, int64_t D,
+                      void *summ, int64_t s_block, int64_t s_head)
+{
+    if (D > MAX_D)
+        return 1;
+#pragma omp parallel for collapse(2) if (m * n * block * D > (1 << 16))
+    for (int64_t i = 0; i < m; i++) {
+        for (int64_t h = 0; h < n; h++) {
+            Row lohi, key;  /* [2, D]: minimum, maximum; one key row */
+            float *lo = lohi.f, *hi = lohi.f + D;
+            const int64_t first = h * k_sh + blocks[i] * block * k_sr;
+            load_row(k, first, bf16, &lohi, D);
+            memcpy(hi, lo, D * sizeof(float));
+            for (int64_t r = 1; r < block; r++) {
+                load_row(k, first + r * k_sr, bf16, &key, D);
+                for (int64_t d = 0; d < D; d++) {
+                    lo[d] = key.f[d] < lo[d] ? key.f[d] : lo[d];
+                    hi[d] = key.f[d] > hi[d] ? key.f[d] : hi[d];
+                }
+            }
+            const int64_t dst = blocks[i] * s_block + h * s_head;
+            if (bf16) {  /* exact: each value is one of the bfloat16 keys */
+                uint16_t *out = (uint16_t *)summ + dst;
+                for (int64_t d = 0; d < 2 * D; d++) out[d] = (uint16_t)(lohi.u[d] >> 16);
+            } else {
+                memcpy((float *)summ + dst, lohi.f, 2 * D * sizeof(float));
+            }
+        }
+    }
     return 0;
 }
