@@ -224,6 +224,25 @@ def test_suite_run_resumes_by_family(tiny_models, tmp_path):
     assert quality.load(tmp_path / "b.json") == again
 
 
+def test_a_named_dtype_tags_its_records_and_is_reported_beside_the_engine_dtype(tiny_models):
+    # Records of another compute dtype are not "done" for the engine's own (nor the
+    # reverse): they run under their own names, and the report sets both side by side.
+    from headwise.evaluation.suite import run_quality
+
+    model = str(tiny_models["llama"])
+    opts = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=8192, max_num_seqs=2)
+    auto, text = run_quality(model, ["window"], ["number"], [160], seeds=1, engine_options=opts)
+    assert set(quality.layouts_of(auto)) == {"full", "window"} and text is not None
+    f32, text = run_quality(model, ["window"], ["number"], [160], seeds=1, previous=auto,
+                            engine_options={**opts, "dtype": "float32"})
+    new = [r for r in f32 if r.layout.endswith("@float32")]
+    assert {r.layout for r in new} == {"full@float32", "window@float32"}
+    assert len(new) == len(auto)  # every prompt and perplexity ran again, in float32
+    assert "| full@float32 (95% interval) |" in text.splitlines()[0]  # its own reference
+    _, both = run_quality(model, [], ["number"], [160], seeds=1, previous=f32, reference=False)
+    assert both is not None and "full@float32: " in both and "window@float32: " in both  # beside full
+
+
 def test_method_of_drops_fraction_and_window():
     assert quality.method_of("smollm2-gates-33-w512") == "smollm2-gates"
     assert quality.method_of("smollm2-gates") == "smollm2-gates"

@@ -129,7 +129,11 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
     cfg = read_model_config(model)
     native = native_layout(cfg)
-    ref_name = "native" if native else "full"
+    # A compute dtype asked for by name tags the records ("full@float32"): they are not
+    # those of the engine's own dtype, so they neither stand in for them as done nor
+    # merge with them; the report sets them side by side (rounding's own effect).
+    tag = "" if opts.get("dtype", "auto") == "auto" else f"@{opts['dtype']}"
+    ref_name = ("native" if native else "full") + tag
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     records = list(previous or [])
     # What the records hold, by (layout, family, length); perplexity counts as family "ppl".
@@ -139,10 +143,11 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         layout_specs = [] if shipped is None else [shipped]
     todo = []
     # Without `reference`, a --head-layout naming the reference still runs: the user asked for it.
-    run = ([ref_name] if reference else []) + [s for s in layout_specs if not (reference and s == ref_name)]
+    ref_spec = ref_name.removesuffix(tag)
+    run = ([ref_spec] if reference else []) + [s for s in layout_specs if not (reference and s == ref_spec)]
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
-        name = _name(spec, lay)
+        name = _name(spec, lay) + tag
         work = [(L, f) for L in lengths for f in [*families, "ppl"] if (name, f, L) not in done]
         if work:
             todo.append((name, lay, work))
