@@ -214,19 +214,19 @@ def test_gemma_270m_matches_transformers_on_the_same_gguf(gemma_f32):
     assert got == want
 
 
-def test_gemma_270m_chunked_8k_prefill_equals_one_pass():
-    # bfloat16 here; eager: prefill only, no decode step to compile. 8K: sixteen sliding
-    # windows, eight chunks (make bench-gemma runs it to 32K)
-    llm = LLM("gemma-3-270m", kv_cache_memory=1 << 30, max_num_batched_tokens=8192, enforce_eager=True)
+def test_gemma_270m_chunked_4k_prefill_equals_one_pass():
+    # bfloat16 here; eager: prefill only, no decode step to compile. 4K: eight sliding
+    # windows, four chunks (make bench-gemma runs it to 32K)
+    llm = LLM("gemma-3-270m", kv_cache_memory=1 << 30, max_num_batched_tokens=4096, enforce_eager=True)
     # Decode reads every projection as its GGUF stores it: q/k/v/gate/up (Q5_0, Q8_0) and
     # Q6_K ffn_down as int8 codes, attn_output and Q4_K ffn_down as 4-bit codes.
     layers = llm.engine.model.model.layers
     assert all(layer.self_attn.o_proj.int4 is not None for layer in layers)
     assert all((layer.mlp.down_proj.int4 is None) != (layer.mlp.down_proj.int8_codes is None) for layer in layers)
     assert all(layer.mlp.up_proj.int8_codes is not None for layer in layers)
-    ids = _prose_ids(llm.tokenizer, 8192)
-    one = llm.engine.prompt_logits(ids, chunk_size=8192, positions=[8191])
-    chunked = llm.engine.prompt_logits(ids, chunk_size=1024, positions=[8191])
+    ids = _prose_ids(llm.tokenizer, 4096)
+    one = llm.engine.prompt_logits(ids, chunk_size=4096, positions=[4095])
+    chunked = llm.engine.prompt_logits(ids, chunk_size=1024, positions=[4095])
     assert (one - chunked).abs().max().item() < 0.01 * one.abs().max().item()
     assert one.argmax() == chunked.argmax()
 
@@ -354,6 +354,21 @@ def test_gguf_tokenizer_is_cached_once(tmp_path):
     assert _direct_verdict(saved[0]) is True  # checked again by these
     (saved[0] / "tokenizer_config.json").write_text("{not json")  # a damaged cache entry is rebuilt
     assert Tokenizer.from_path(path.parent, path.name, cache=tmp_path).encode(text) == first.encode(text)
+
+
+def test_tokenizer_by_type_is_the_one_autotokenizer_builds():
+    """weights.loader.TOKENIZER_TYPES for Gemma 3: naming the type skips AutoTokenizer's
+    config pass over the file (16 s here); the tokenizer is the same as without it."""
+    from transformers import AutoTokenizer
+
+    from headwise.tokenizer import _same_tokenizer
+    from headwise.weights.loader import TOKENIZER_TYPES
+    from headwise.weights.registry import gemma3_270m_path
+
+    path = gemma3_270m_path()
+    fast = Tokenizer.from_path(path.parent, path.name, tokenizer_type=TOKENIZER_TYPES["gemma3"]).hf
+    auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    assert type(fast) is type(auto) and _same_tokenizer(auto, fast)
 
 
 def test_a_direct_load_that_differs_is_not_trusted(tmp_path):
