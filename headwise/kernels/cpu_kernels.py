@@ -181,8 +181,9 @@ def select_library() -> ctypes.CDLL | None:
 
 def refresh_summaries(k: torch.Tensor, blocks: torch.Tensor, block: int, summary: torch.Tensor) -> bool:
     """cpu_select.c: the key summaries [blocks, n, 2, D] of `blocks` [m] int64 from the
-    pool's keys k [n, ..., D], key rows at stride(-2), a block's rows consecutive (the
-    summary's dtype, float32 or bfloat16, unit inner strides). False (nothing written) where the library or these inputs do not fit it."""
+    pool's keys k [n, ..., D], slot s's row at s * stride(-2) (the summary's dtype,
+    float32 or bfloat16, unit inner strides). False, nothing written, where the library
+    or these inputs do not fit it."""
     lib = select_library()
     if (lib is None or k.device.type != "cpu" or k.dtype not in DTYPES or summary.dtype != k.dtype
             or k.stride(-1) != 1 or summary.stride(-1) != 1 or summary.stride(-2) != summary.shape[-1]
