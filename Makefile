@@ -64,7 +64,7 @@ ruler: $(STAMP) $(LM_EVAL)
 LLAMA_CMAKE := $(shell grep -q amx_tile /proc/cpuinfo 2>/dev/null && echo "-DGGML_NATIVE=OFF \
 	-DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON -DGGML_AVX512_VNNI=ON \
 	-DGGML_AVX512_BF16=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF")
-LLAMA_CPP := $(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE)" $(PIP) install -q llama-cpp-python \
+LLAMA_CPP := $(PY) -c "import llama_cpp" 2>/dev/null || CMAKE_ARGS="$(LLAMA_CMAKE)" $(INSTALL) llama-cpp-python \
 	|| echo "llama-cpp-python did not build; the llama.cpp column will be skipped"
 
 bench: $(STAMP)

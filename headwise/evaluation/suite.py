@@ -133,7 +133,8 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     # those of the engine's own dtype, so they neither stand in for them as done nor
     # merge with them; the report sets them side by side (rounding's own effect).
     tag = "" if opts.get("dtype", "auto") == "auto" else f"@{opts['dtype']}"
-    ref_name = ("native" if native else "full") + tag
+    ref_spec = "native" if native else "full"
+    ref_name = ref_spec + tag
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     records = list(previous or [])
     # What the records hold, by (layout, family, length); perplexity counts as family "ppl".
@@ -143,7 +144,6 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         layout_specs = [] if shipped is None else [shipped]
     todo = []
     # Without `reference`, a --head-layout naming the reference still runs: the user asked for it.
-    ref_spec = ref_name.removesuffix(tag)
     run = ([ref_spec] if reference else []) + [s for s in layout_specs if not (reference and s == ref_spec)]
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)

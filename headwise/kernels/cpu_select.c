@@ -24,17 +24,6 @@
 #define MAX_D 512
 #define LANES 16  /* D is a multiple of it */
 
-static inline float load1(const void *base, int64_t off, int bf16)
-{
-    if (bf16) {  /* a bfloat16 is the high half of a float */
-        uint32_t u = (uint32_t)((const uint16_t *)base)[off] << 16;
-        float f;
-        memcpy(&f, &u, sizeof f);
-        return f;
-    }
-    return ((const float *)base)[off];
-}
-
 /* n values from base + off as floats: one pass per dtype, so the bfloat16 widening
  * vectorises (a per-element dtype branch kept the page loop scalar) */
 typedef union { float f[2 * MAX_D]; uint32_t u[2 * MAX_D]; } Row;
@@ -108,12 +97,14 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
                 for (int64_t p = 0; p < P; p++) dst[c++] = row[p];
             } else {
                 float qp[MAX_G][MAX_D], qn[MAX_G][MAX_D];  /* q's positive and negative parts */
-                for (int64_t j = 0; j < g; j++)
+                for (int64_t j = 0; j < g; j++) {
+                    Row x;
+                    load_row(q, b * q_sb + (h * g + j) * q_sh, q_bf16, &x, D);
                     for (int64_t d = 0; d < D; d++) {
-                        float x = load1(q, b * q_sb + (h * g + j) * q_sh + d, q_bf16);
-                        qp[j][d] = x > 0 ? x : 0;
-                        qn[j][d] = x < 0 ? x : 0;
+                        qp[j][d] = x.f[d] > 0 ? x.f[d] : 0;
+                        qn[j][d] = x.f[d] < 0 ? x.f[d] : 0;
                     }
+                }
                 int64_t k = Kb - forced;  /* pages chosen by bound */
                 Entry *heap = k > 0 ? malloc(k * sizeof(Entry)) : NULL;
                 char *take = calloc(P, 1);
