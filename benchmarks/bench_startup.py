@@ -1,8 +1,10 @@
 """Start-up of each known model, each start in a fresh process:
 
-- cold: an empty headwise cache directory (no prepared weights, no tokenizer cache): the
+- cold: a headwise cache directory with no prepared weights and no tokenizer cache: the
   GGUF's codes are read, the weights prepared, then written to the prepared-weights cache
-  in the background (the child waits for that after measuring);
+  in the background (the child waits for that after measuring). Its C kernels are the
+  machine's, copied from the real cache directory (they are built once per machine, by
+  whichever model starts first; a first build is timed on its own, "C kernels built");
 - warm: the same directory again, the prepared weights read from it;
 - llama.cpp: llama-cpp-python's Llama() on the same file, flash attention on.
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -74,6 +77,16 @@ print(json.dumps({"import_s": t_import, "ready_s": ready, "first_tokens_s": firs
 """
 
 
+KERNELS_CHILD = r"""
+import json, time
+from headwise.kernels import cpu_kernels
+from headwise.paths import cache_dir
+t0 = time.perf_counter()
+cpu_kernels.build_for_engine(pages_chosen=True)
+print(json.dumps({"build_s": time.perf_counter() - t0, "dir": str(cache_dir() / "kernels")}))
+"""
+
+
 def child(code: str, args: list[str], env: dict) -> dict | None:
     r = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env, timeout=1800)
     if r.returncode:
@@ -91,11 +104,19 @@ def main() -> None:
     from headwise.weights.loader import resolve_model_path
 
     env = dict(os.environ, HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    # The machine's C kernels, built first where they are not (timed), then copied into
+    # each cold start's cache directory.
+    with tempfile.TemporaryDirectory(prefix="headwise-kernels-") as fresh:
+        built = child(KERNELS_CHILD, [], dict(env, HEADWISE_CACHE_DIR=fresh))
+    kernels = child(KERNELS_CHILD, [], env)
+    first_build = built["build_s"] if built else None
     rows, results = [], {}
     for name in args.models.split(","):
         path = str(resolve_model_path(name).resolve())
         size_mib = Path(path).stat().st_size / 2**20
         with tempfile.TemporaryDirectory(prefix="headwise-startup-") as cache:
+            if kernels is not None:
+                shutil.copytree(kernels["dir"], Path(cache) / "kernels")
             cenv = dict(env, HEADWISE_CACHE_DIR=cache)
             runs = {"cold": child(HEADWISE_CHILD, [path, PROMPT], cenv),
                     "warm": child(HEADWISE_CHILD, [path, PROMPT], cenv)}
@@ -111,12 +132,13 @@ def main() -> None:
             print(rows[-1], flush=True)
     imports = ", ".join(f"{n}: {r['cold']['import_s']:.1f} s" for n, r in results.items() if r.get("cold"))
     table = "\n".join([
-        f"Start-up ({machine()}); `import headwise` not counted ({imports}).",
+        f"Start-up ({machine()}); `import headwise` not counted ({imports}); C kernels built "
+        f"once per machine beforehand ({first_build or 0:.1f} s the first time).",
         "",
         "| model | start | ready s | first 8 tokens s | decode compile s (background) | RSS at ready MiB | peak RSS MiB |",
         "|---|---|---|---|---|---|---|", *rows])
     print(table)
-    save(args.out, {"machine": machine(), "results": results}, table)
+    save(args.out, {"machine": machine(), "c_kernels_first_build_s": first_build, "results": results}, table)
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ def test_decode_copies_reproduce_the_weight(qtype):
     four = q.int4()
     if levels_4bit := q.levels <= 16:
         codes, scales, lows = four
-        assert codes.dtype == torch.int32 and 0 <= int(codes.min()) and int(codes.max()) <= 15
+        assert codes.dtype == torch.int8 and 0 <= int(codes.min()) and int(codes.max()) <= 15
         back = lows.repeat_interleave(32, 1) + codes * scales.repeat_interleave(32, 1)
         torch.testing.assert_close(back, w, rtol=1e-6, atol=0)
     else:

@@ -1,8 +1,9 @@
 """headwise's C kernels for the CPU, compiled on the machine that runs them.
 
 cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_pointwise.c
-(RMSNorm and the rotary embedding, used by headwise.kernels.pointwise) and cpu_matmul.c
-(decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul) are each compiled
+(RMSNorm and the rotary embedding, used by headwise.kernels.pointwise), cpu_matmul.c
+(decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul) and cpu_weights.c
+(weights' codes at start-up, headwise.kernels.weight_codes) are each compiled
 once per source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp, and without OpenMP where the compiler lacks it: one thread) into
 the cache directory, and called through ctypes, which releases the GIL. A library links
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from headwise.weights.registry import cache_dir
+from headwise.paths import cache_dir
 
 log = logging.getLogger("headwise.kernels")
 
@@ -127,7 +128,7 @@ def build_for_engine(pages_chosen: bool) -> None:
     layout has heads that choose pages by key summaries (HeadClass.page_summary): an engine
     starts this beside loading its weights, so that a first build runs the compiler, in
     processes of its own, while the weights load."""
-    library(), pointwise_library(), matmul_library()
+    weights_library(), library(), pointwise_library(), matmul_library()
     if pages_chosen:
         select_library()
 
@@ -152,6 +153,20 @@ def pointwise_library() -> ctypes.CDLL | None:
         lib.rotary.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _i64,
                                ctypes.c_int, ctypes.c_int]
         lib.rms_norm.restype = lib.rotary.restype = None
+    return lib
+
+
+@functools.cache
+def weights_library() -> ctypes.CDLL | None:
+    """GGUF block decoding, dequantization and 4-bit packing at start-up (cpu_weights.c),
+    or None. Without FMA contraction: see there."""
+    lib = _load("cpu_weights", ("-ffp-contract=off",))
+    if lib is not None:
+        lib.decode_gguf.argtypes = [_ptr, _i64, ctypes.c_int, _ptr, _ptr, _ptr, ctypes.c_int]
+        lib.decode_gguf.restype = ctypes.c_int
+        lib.dequantize.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]
+        lib.pack_int4.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]
+        lib.dequantize.restype = lib.pack_int4.restype = None
     return lib
 
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from headwise.kernels import weight_codes
 from headwise.kernels.int8_matmul import AFFINE_GROUP, check_int8_weight, exact_affine, int8_copy, int8_matmul
 from headwise.layers import opaque
 from headwise.layers.quant import QuantCodes
@@ -97,10 +98,15 @@ def activate(y: torch.Tensor, act: str) -> torch.Tensor:
 
 
 def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """exact_int4's result in the int4 CPU kernel's form: (codes [N, K/2] uint8, scales and
-    offsets [K/32, N, 2]); the kernel computes w = (code - 8) * scale + offset."""
+    """exact_int4's or QuantCodes.int4's result (codes int32 or int8, 0..15) in the int4 CPU
+    kernel's form: (codes [N, K/2] uint8, scales and offsets [K/32, N, 2]); the kernel
+    computes w = (code - 8) * scale + offset. int8 codes are packed by the C kernel where
+    it lays them out as PyTorch does (kernels.weight_codes.pack_int4: one pass, no int32 copy)."""
     sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
-    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1), sz
+    packed = weight_codes.pack_int4(codes)
+    if packed is None:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
+    return packed, sz
 
 
 def int4_cast(int4: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -205,11 +211,15 @@ class Linear(Int4Copy, nn.Module):
         ref = self.weight if self.weight is not None else None if self.quant is None else self.quant.scales
         return ref is not None and can_pack(ref)
 
-    def materialize(self, dtype: torch.dtype) -> None:
+    def materialize(self, dtype: torch.dtype, scratch: torch.Tensor | None = None) -> None:
         """The dense weight in `dtype` from the file's codes where loading left it out
-        (weights.loader.load_weights' lazy mode); one float32 temporary at a time."""
+        (weights.loader.load_weights' lazy mode); one float32 temporary at a time.
+        `scratch` (flat, `dtype`, at least the weight's size): made there, for a caller
+        that packs it at once (pack() lets go of it) and reuses the memory."""
         if self.weight is None and self.quant is not None:
-            self.weight = nn.Parameter(self.quant.dense(dtype), requires_grad=False)
+            N, K = self.quant.shape
+            out = None if scratch is None else scratch[:N * K].view(N, K)
+            self.weight = nn.Parameter(self.quant.dense(dtype, out), requires_grad=False)
 
     def pack(self) -> bool:
         """Prepack the weight for oneDNN; False (and nothing changes) where that is not

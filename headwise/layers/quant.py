@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from headwise.kernels.weight_codes import dequantize
+
 INT4_LEVELS = 16   # a 4-bit copy (layers.linear): codes 0..15 with a low per group
 INT4_GROUP = 32    # inputs per scale of the int4 CPU kernel
 INT8_GROUPS = (32, 16)  # inputs per scale the int8 kernel reads (kernels.int8_matmul)
@@ -45,10 +47,25 @@ class QuantCodes:
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)
 
-    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    def dense(self, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, K] in `dtype`: scale * code, then + low, in float32 with one rounding each
-        (gguf's order), then cast; in runs of rows, so a 16-bit weight never has a whole
-        float32 copy beside it (a 151,936-token vocabulary projection: 0.9 GB)."""
+        (gguf's order), then cast: one pass of the C kernel (kernels.weight_codes), else
+        dense_torch. `out`: written there (contiguous, [N, K] in `dtype`) instead of new
+        memory."""
+        if out is not None and (out.shape != self.codes.shape or out.dtype != dtype or not out.is_contiguous()):
+            raise ValueError(f"dense(): out must be {tuple(self.codes.shape)} {dtype}, contiguous; "
+                             f"got {tuple(out.shape)} {out.dtype}")
+        made = dequantize(self.codes, self.scales, self.lows, self.group, dtype, out)
+        if made is None:
+            made = self.dense_torch(dtype)
+            if out is not None:
+                made = out.copy_(made)
+        return made
+
+    def dense_torch(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """dense() in PyTorch's ops: four passes over the weight (the C kernel makes one), in
+        runs of rows, so a 16-bit weight never has a whole float32 copy beside it (a
+        151,936-token vocabulary projection: 0.9 GB)."""
         N, K = self.codes.shape
         out = torch.empty(N, K, dtype=dtype)
         for r in range(0, N, DENSE_ROWS):
@@ -60,15 +77,15 @@ class QuantCodes:
         return out
 
     def int4(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """(codes [N, K] int32 0..15, scales, lows [N, K/32]) with w = low + code * scale,
+        """(codes [N, K] int8 0..15, scales, lows [N, K/32]) with w = low + code * scale,
         as layers.linear.int4_pack takes them, or None: more than 16 levels, groups other
         than 32, or rows the int4 kernel cannot pack (it packs them by 16)."""
         if self.levels > INT4_LEVELS or self.group != INT4_GROUP or self.codes.shape[0] % 16:
             return None
         if self.lows is not None:
-            return self.codes.to(torch.int32), self.scales, self.lows
+            return self.codes, self.scales, self.lows
         # signed codes -8..7: code + 8 with low -8 * scale (exact: a power of two)
-        return self.codes.to(torch.int32) + 8, self.scales, self.scales * -8.0
+        return self.codes + 8, self.scales, self.scales * -8.0
 
     def int8(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
         """(codes, scales, lows or None) as kernels.int8_matmul reads them, or None where

@@ -93,9 +93,16 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, FusedInt4):
                 m.cast(dtype)
-        for m in linears:  # one plain dense weight at a time: packing replaces it
-            m.materialize(dtype)
-            m.pack()
+        # One plain dense weight at a time, made in one scratch buffer that packing reads
+        # and lets go of: fresh memory for each would be zeroed by the kernel first, which
+        # was most of the time Qwen2.5-Coder-1.5B's weights took to prepare.
+        sizes = [m.quant.codes.numel() for m in linears if m.weight is None and m.quant is not None]
+        scratch = torch.empty(max(sizes), dtype=dtype) if sizes and dtype in (torch.float32, torch.bfloat16) else None
+        for m in linears:
+            m.materialize(dtype, scratch)
+            if (not m.pack() and scratch is not None and m.weight is not None
+                    and m.weight.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()):
+                m.weight = nn.Parameter(m.weight.detach().clone(), requires_grad=False)  # kept, so off the scratch
         embed.compact(dtype, INT8_DTYPES)
 
     def attention_layers(self) -> list[HeadSplitAttention]:

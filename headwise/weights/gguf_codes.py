@@ -18,6 +18,11 @@ Per block (bytes; fp16 = float16; the codes' bit layout as in ggml-quants.c):
     Q6_K  256 inputs:  128 B low nibbles, 64 B 2-bit highs, 16 x int8 scales, d fp16
                        w = (d * sc) * (q - 32) per 16
 Other types (F32, F16, Q2_K, Q3_K, IQ*) are not read here: the loader dequantizes them.
+
+The C kernel (kernels.weight_codes.decode_gguf) decodes a tensor in one pass; the NumPy
+decoders below are the reference it is tested against and the fallback where it is not
+built (their temporaries, fresh memory per chunk, made Qwen2.5-Coder-1.5B's load several
+times slower).
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import numpy as np
 import torch
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as Q
 
+from headwise.kernels.weight_codes import decode_gguf
 from headwise.layers.quant import QuantCodes
 
 CHUNK_BYTES = 1 << 20  # raw bytes per decoding task (threads: numpy releases the GIL)
@@ -115,6 +121,8 @@ def _q6_k(b: np.ndarray) -> Decoded:
     return q.reshape(n, 256), scales, None
 
 
+# formats with a minimum per group (their QuantCodes have lows)
+WITH_LOWS = {Q.Q4_1, Q.Q5_1, Q.Q4_K, Q.Q5_K}
 # type -> (decoder of raw blocks [n, block bytes], inputs per scale, levels)
 FORMATS: dict[Q, tuple[Callable[[np.ndarray], Decoded], int, int]] = {
     Q.Q8_0: (_q8_0, 32, 256),
@@ -140,24 +148,23 @@ def read_codes(rows: np.ndarray, qtype: Q, threads: int = 2) -> QuantCodes | Non
     K = blocks_per_row * block
     codes = np.empty((N, K), dtype=np.int8)
     scales = np.empty((N, K // group), dtype=np.float32)
-    lows = None
-    step = max(1, CHUNK_BYTES // max(rows.shape[1], 1))
+    lows = np.empty_like(scales) if qtype in WITH_LOWS else None
+    if not (rows.flags.c_contiguous and decode_gguf(rows.reshape(N * blocks_per_row, size), qtype.name,
+                                                    codes.reshape(-1), scales.reshape(-1),
+                                                    None if lows is None else lows.reshape(-1))):
+        # NumPy's decoders (where the C kernel is not built), a chunk of rows per task
+        step = max(1, CHUNK_BYTES // max(rows.shape[1], 1))
 
-    def chunk(r: int) -> None:
-        nonlocal lows
-        part = rows[r:r + step]
-        n = part.shape[0]
-        q, s, m = decode(np.ascontiguousarray(part).reshape(n * blocks_per_row, size))
-        codes[r:r + n] = q.reshape(n, K)
-        scales[r:r + n] = s.reshape(n, K // group)
-        if m is not None:
-            if lows is None:
-                lows = np.empty_like(scales)  # first chunk of a format with minimums
-            lows[r:r + n] = m.reshape(n, K // group)
+        def chunk(r: int) -> None:
+            part = rows[r:r + step]
+            n = part.shape[0]
+            q, s, m = decode(np.ascontiguousarray(part).reshape(n * blocks_per_row, size))
+            codes[r:r + n] = q.reshape(n, K)
+            scales[r:r + n] = s.reshape(n, K // group)
+            if m is not None:
+                lows[r:r + n] = m.reshape(n, K // group)
 
-    # the first chunk alone, so `lows` exists before the others write to it
-    chunk(0)
-    with ThreadPoolExecutor(threads) as pool:
-        list(pool.map(chunk, range(step, N, step)))
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(chunk, range(0, N, step)))
     return QuantCodes(torch.from_numpy(codes), torch.from_numpy(scales),
                       None if lows is None else torch.from_numpy(lows), group, levels)

@@ -56,7 +56,7 @@ STALE_TMP_S = 3600  # a temporary directory this old is a writer that died
 _SOURCES = ("layers/linear.py", "layers/embedding.py", "layers/quant.py", "layers/norm.py",
             "models/causal_lm.py", "models/head_order.py", "models/llama.py", "models/gemma3.py",
             "weights/gguf_codes.py", "weights/gguf_loader.py", "weights/prepared.py",
-            "kernels/int8_matmul.py")
+            "kernels/int8_matmul.py", "kernels/weight_codes.py", "kernels/cpu_weights.c")
 _DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.uint8,
                                torch.int32, torch.int64)}
 
@@ -144,12 +144,15 @@ class PreparedWeights:
                 raise PreparedError("kept.bin is truncated")
             t = torch.from_numpy(raw).view(_DTYPES[e["dtype"]]).view(e["shape"])
             setattr(module, e["attr"], nn.Parameter(t, requires_grad=False) if e["kind"] == "parameter" else t)
-        # Each dense weight read into memory of its own and packed, then freed: mapped,
-        # the whole file would stay resident beside the packed copies.
-        fd = os.open(self.dir / "dense.bin", os.O_RDONLY)
+        # Each dense weight read into a scratch buffer of its thread's and packed from
+        # there: mapped, the whole file would stay resident beside the packed copies, and
+        # memory of its own per weight would be faulted in afresh each time (3.1 GB for
+        # Qwen2.5-Coder-1.5B). Largest first, so each buffer is allocated once.
+        packs.sort(key=lambda me: -_nbytes(me[1]))
+        fd, scratch = os.open(self.dir / "dense.bin", os.O_RDONLY), threading.local()
         try:
             with ThreadPoolExecutor(2) as pool:  # reads and oneDNN's reorders release the GIL
-                list(pool.map(lambda me: _read_and_pack(fd, *me), packs))
+                list(pool.map(lambda me: _read_and_pack(fd, *me, scratch), packs))
         finally:
             os.close(fd)
         model.model.embed_tokens.dtype = self.dtype
@@ -221,12 +224,16 @@ def _nbytes(e: dict) -> int:
     return int(np.prod(e["shape"], dtype=np.int64)) * _DTYPES[e["dtype"]].itemsize
 
 
-def _read_and_pack(fd: int, module: Linear, e: dict) -> None:
-    buf = bytearray(_nbytes(e))
-    if os.preadv(fd, [buf], e["offset"]) != len(buf):
+def _read_and_pack(fd: int, module: Linear, e: dict, scratch: threading.local) -> None:
+    """Read a packed weight's plain copy into this thread's scratch buffer (grown where too
+    small) and pack it; pack() lets go of the plain copy, so the buffer is free again."""
+    n = _nbytes(e)
+    if getattr(scratch, "buf", None) is None or scratch.buf.numel() < n:
+        scratch.buf = torch.empty(n, dtype=torch.uint8)
+    raw = scratch.buf[:n]
+    if os.preadv(fd, [raw.numpy()], e["offset"]) != n:
         raise PreparedError("dense.bin is truncated")
-    module.weight = nn.Parameter(torch.frombuffer(buf, dtype=_DTYPES[e["dtype"]]).view(e["shape"]),
-                                 requires_grad=False)
+    module.weight = nn.Parameter(raw.view(_DTYPES[e["dtype"]]).view(e["shape"]), requires_grad=False)
     if not module.pack():
         raise PreparedError(f"{e['module']} did not pack")
 

@@ -20,6 +20,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from headwise.paths import cache_dir
 from headwise.weights.gguf_file import GGUFFile, GGUFFormatError
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -61,11 +62,6 @@ PARTED = {m.name: m for m in (QWEN25_CODER_05B, QWEN25_CODER_15B)}
 KNOWN_FILES = {"SmolLM2-135M-Instruct.Q4_1.gguf": DEFAULT_MODEL_NAME,
                "gemma-3-270m-q4_k_m.gguf": GEMMA3_270M,
                **{m.file_name: m.model_name for m in PARTED.values()}}
-
-
-def cache_dir() -> Path:
-    """$HEADWISE_CACHE_DIR, else ~/.cache/headwise."""
-    return Path(os.environ.get("HEADWISE_CACHE_DIR") or Path.home() / ".cache" / "headwise")
 
 
 def _package_dir(module: str, install: str) -> Path:
