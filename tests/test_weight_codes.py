@@ -73,7 +73,10 @@ def test_decode_declines_what_it_does_not_read():
     assert not weight_codes.decode_gguf(raw, "Q8_0", codes.astype(np.int16), scales, None)
     assert not weight_codes.decode_gguf(random_blocks(4, 64, Q.Q4_1).reshape(-1, 20), "Q4_1", codes, scales,
                                         None)  # Q4_1 has lows
-    assert weight_codes.decode_gguf(raw, "Q8_0", codes, scales, None)  # the same, as it reads it
+    assert not weight_codes.decode_gguf(raw, "Q8_0", codes[:-1], scales, None)  # too few codes
+    assert not weight_codes.decode_gguf(raw, "Q8_0", codes, scales, np.empty(8, np.float32))  # Q8_0 has none
+    assert not weight_codes.decode_gguf(raw.reshape(-1, 17), "Q8_0", codes, scales, None)  # not Q8_0's blocks
+    assert weight_codes.decode_gguf(raw, "Q8_0", codes, scales, None)  # as it reads them
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -122,3 +125,4 @@ def test_int4_packing_is_pytorchs(N, K):
     a, b = linear.int4_pack(codes, scales, lows), linear.int4_pack(codes.to(torch.int32), scales, lows)
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert weight_codes.pack_int4(codes.to(torch.int32)) is None
+    assert weight_codes.pack_int4(codes[:N - 8]) is None  # rows the int4 kernel does not pack
