@@ -4,7 +4,10 @@ dequantize to PyTorch's dense weight, and 4-bit codes pack as PyTorch packs them
 bit for bit; where a kernel does not apply, the callers keep their own code."""
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -126,3 +129,33 @@ def test_int4_packing_is_pytorchs(N, K):
     assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
     assert weight_codes.pack_int4(codes.to(torch.int32)) is None
     assert weight_codes.pack_int4(codes[:N - 8]) is None  # rows the int4 kernel does not pack
+
+
+def _thp_mode() -> str | None:
+    try:
+        text = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        return None
+    return text[text.index("[") + 1:text.index("]")] if "[" in text else None
+
+
+@pytest.mark.parametrize("preset", [None, "0"])
+def test_import_turns_on_huge_pages_before_torch_unless_told(preset):
+    """`import headwise` sets THP_MEM_ALLOC_ENABLE before torch is imported (its allocator
+    reads it once), and leaves a value the user set alone. Where the kernel gives huge
+    pages only to memory that asks for them (madvise), a 64 MiB tensor then gets them,
+    and with the value 0 it does not."""
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if preset is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = preset
+    code = ("import os, sys; import headwise, torch\n"
+            "def huge():\n"
+            "    rollup = open('/proc/self/smaps_rollup').read().splitlines()\n"
+            "    return int(next(l for l in rollup if l.startswith('AnonHugePages')).split()[1])\n"
+            "before = huge(); t = torch.ones(64 << 20, dtype=torch.uint8)\n"
+            "print(os.environ.get('THP_MEM_ALLOC_ENABLE'), huge() - before)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    value, grown_kib = out.stdout.split()
+    assert value == (preset or "1")
+    if _thp_mode() == "madvise":
+        assert (int(grown_kib) >= 32 << 10) == (preset is None)
