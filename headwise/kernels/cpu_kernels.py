@@ -162,7 +162,7 @@ def weights_library() -> ctypes.CDLL | None:
     or None. Without FMA contraction: see there."""
     lib = _load("cpu_weights", ("-ffp-contract=off",))
     if lib is not None:
-        lib.decode_gguf.argtypes = [_ptr, _i64, ctypes.c_int, _ptr, _ptr, _ptr, ctypes.c_int]
+        lib.decode_gguf.argtypes = [_ptr, _i64, _i64, ctypes.c_int, _ptr, _i64, _ptr, _i64, _ptr, ctypes.c_int]
         lib.decode_gguf.restype = ctypes.c_int
         lib.dequantize.argtypes = [_ptr, _ptr, _ptr, _i64, _i64, _i64, _ptr, ctypes.c_int, ctypes.c_int]
         lib.pack_int4.argtypes = [_ptr, _i64, _i64, _ptr, ctypes.c_int]

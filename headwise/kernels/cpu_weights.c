@@ -23,7 +23,8 @@
 
 /* Tensor types, numbered as weight_codes.py names them (not GGML's numbers). */
 enum { Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K, N_TYPES };
-/* per type: bytes per block, inputs per block, inputs per scale, whether it has lows */
+/* per type: bytes per block, inputs per block, inputs per scale, whether it has lows
+ * (decode_gguf checks its caller's arrays against these) */
 static const int64_t BLOCK_BYTES[N_TYPES] = {34, 18, 20, 22, 24, 144, 176, 210};
 static const int64_t BLOCK_INPUTS[N_TYPES] = {32, 32, 32, 32, 32, 256, 256, 256};
 static const int64_t GROUP[N_TYPES] = {32, 32, 32, 32, 32, 32, 32, 16};
@@ -146,13 +147,15 @@ static inline void decode_block(const uint8_t *b, int t, int8_t *c, float *sc, f
     }
 }
 
-/* `blocks` consecutive blocks of type t (a tensor's rows, one after another) -> codes
- * [blocks * inputs], scales and lows [blocks * inputs / group] (lows NULL for types
- * without). Returns 0, or -1 for a type this file does not read. */
-int decode_gguf(const uint8_t *raw, int64_t blocks, int t, int8_t *codes, float *scales, float *lows,
-                int nthreads)
+/* `blocks` consecutive blocks of `block_bytes` each, of type t (a tensor's rows, one
+ * after another) -> codes [n_codes = blocks * inputs], scales and lows [n_scales = blocks
+ * * inputs / group] (lows NULL for types without). Returns 0, or -1 (nothing written) for
+ * a type this file does not read or sizes that are not the type's. */
+int decode_gguf(const uint8_t *raw, int64_t blocks, int64_t block_bytes, int t, int8_t *codes, int64_t n_codes,
+                float *scales, int64_t n_scales, float *lows, int nthreads)
 {
-    if (t < 0 || t >= N_TYPES || (HAS_LOWS[t] && !lows))
+    if (t < 0 || t >= N_TYPES || HAS_LOWS[t] != (lows != NULL) || block_bytes != BLOCK_BYTES[t]
+            || n_codes != blocks * BLOCK_INPUTS[t] || n_scales != blocks * (BLOCK_INPUTS[t] / GROUP[t]))
         return -1;
     const int64_t bb = BLOCK_BYTES[t], bi = BLOCK_INPUTS[t], groups = bi / GROUP[t];
     #pragma omp parallel for schedule(static) num_threads(nthreads) if (blocks * bi >= PARALLEL_MIN)

@@ -15,11 +15,9 @@ import torch
 
 from headwise.kernels.cpu_kernels import DTYPES, weights_library
 
-# GGUF block types cpu_weights.c reads, by name -> (its type number there, bytes and
-# inputs per block, inputs per scale, whether it has lows)
-GGUF_TYPES = {"Q8_0": (0, 34, 32, 32, False), "Q4_0": (1, 18, 32, 32, False), "Q4_1": (2, 20, 32, 32, True),
-              "Q5_0": (3, 22, 32, 32, False), "Q5_1": (4, 24, 32, 32, True), "Q4_K": (5, 144, 256, 32, True),
-              "Q5_K": (6, 176, 256, 32, True), "Q6_K": (7, 210, 256, 16, False)}
+# GGUF block types cpu_weights.c reads, by name -> its type number there (it knows each
+# type's block size, groups and lows, and checks the arrays it is given against them)
+GGUF_TYPES = {"Q8_0": 0, "Q4_0": 1, "Q4_1": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7}
 
 
 def decode_gguf(blocks: np.ndarray, qtype: str, codes: np.ndarray, scales: np.ndarray,
@@ -27,22 +25,16 @@ def decode_gguf(blocks: np.ndarray, qtype: str, codes: np.ndarray, scales: np.nd
     """Raw blocks [n, block bytes] uint8 of GGUF type `qtype` (a key of GGUF_TYPES) into
     codes [n * inputs] int8, scales and lows [n * inputs / group] float32 (lows None for
     types without minimums); all C-contiguous, allocated by the caller. False where the
-    kernel does not apply or the arrays are not those (nothing is written)."""
-    if qtype not in GGUF_TYPES:
-        return False
-    t, size, inputs, group, has_lows = GGUF_TYPES[qtype]
-    n = blocks.shape[0] if blocks.ndim == 2 else 0
-    outs = [(codes, np.int8, n * inputs), (scales, np.float32, n * inputs // group)]
-    outs += [] if lows is None else [(lows, np.float32, n * inputs // group)]
-    if (blocks.dtype != np.uint8 or blocks.ndim != 2 or blocks.shape[1] != size or not blocks.flags.c_contiguous
-            or has_lows != (lows is not None)
-            or not all(a.dtype == d and a.size == k and a.flags.c_contiguous and a.flags.writeable
-                       for a, d, k in outs)):
+    kernel does not apply or the arrays are not the type's (nothing is written)."""
+    outs = [(codes, np.int8), (scales, np.float32)] + ([] if lows is None else [(lows, np.float32)])
+    if (qtype not in GGUF_TYPES or blocks.dtype != np.uint8 or blocks.ndim != 2 or not blocks.flags.c_contiguous
+            or (lows is not None and lows.size != scales.size)
+            or not all(a.dtype == d and a.flags.c_contiguous and a.flags.writeable for a, d in outs)):
         return False
     lib = weights_library()
-    return lib is not None and lib.decode_gguf(blocks.ctypes.data, blocks.shape[0], t, codes.ctypes.data,
-                                               scales.ctypes.data, None if lows is None else lows.ctypes.data,
-                                               torch.get_num_threads()) == 0
+    return lib is not None and lib.decode_gguf(
+        blocks.ctypes.data, blocks.shape[0], blocks.shape[1], GGUF_TYPES[qtype], codes.ctypes.data, codes.size,
+        scales.ctypes.data, scales.size, None if lows is None else lows.ctypes.data, torch.get_num_threads()) == 0
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None, group: int,
