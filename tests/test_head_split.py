@@ -352,3 +352,28 @@ def test_split_decode_attention_equals_one_pass(n, g, runs):
         parts = [(k[:, a:b].to(dt), v[:, a:b].to(dt)) for a, b in zip(cuts, cuts[1:])]
         got = split_attention(q.to(dt), parts, 0.1).float()
         assert (got - ref).abs().max().item() < tol
+
+
+@pytest.mark.parametrize("n,g,c,start,D", [(2, 7, 37, 100, 64), (3, 3, 16, 16, 64), (1, 4, 5, 300, 256),
+                                           (8, 1, 64, 1, 32)])
+def test_later_prefill_chunk_equals_masked_attention(n, g, c, start, D):
+    """A full-head prefill chunk after the first (earlier positions unmasked and its own
+    causally, merged by log-sum-exp) equals one masked attention over every position up
+    to it, computed in float64, in float32 and in bfloat16."""
+    import torch.nn.functional as F
+
+    from headwise.heads.full import _later_chunk
+
+    gen = torch.Generator().manual_seed(start + c)
+    q = torch.randn(c, n * g, D, generator=gen)
+    k, v = (torch.randn(c, n, D, generator=gen) for _ in range(2))
+    kp, vp = (torch.randn(n, start, D, generator=gen) for _ in range(2))
+    kk = torch.cat([kp, k.transpose(0, 1)], 1)[None].double()
+    vv = torch.cat([vp, v.transpose(0, 1)], 1)[None].double()
+    mask = torch.arange(start + c)[None] <= torch.arange(start, start + c)[:, None]
+    ref = F.scaled_dot_product_attention(q.transpose(0, 1)[None].double(), kk, vv, attn_mask=mask, scale=0.1,
+                                         enable_gqa=True)[0].transpose(0, 1)
+    for dt, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        got = _later_chunk(q.to(dt), k.to(dt), v.to(dt), kp.to(dt), vp.to(dt), 0.1)
+        assert got.shape == q.shape and got.dtype == dt
+        assert (got.double() - ref).abs().max().item() < tol

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from headwise.heads.base import RING, HeadClass, LayoutError, register
+from headwise.kernels import cpu_kernels
 from headwise.layers import window_geometry as wgeo
 from headwise.layers.attention import HeadGroup
 from headwise.layers.context import PrefillChunk, StepContext
@@ -154,6 +155,10 @@ def torch_prefill(q, k, v, wg: HeadGroup, ctx: StepContext, ch: PrefillChunk,
     c, start, W = ch.length, ch.start, wg.window
     geo = ch.window[wg.ring_kind]
     k_ring, v_ring = wg.k[ch.ring_slot], wg.v[ch.ring_slot]  # [n, R, D] KVTensors
+    if q_sink is None:
+        o = _through_kernel(q, k, v, k_ring, v_ring, geo, start, wg.sink, W, scale)
+        if o is not None:
+            return o
     n, D = k.shape[1], k.shape[2]
     g = q.shape[1] // n
     q0 = geo.causal_rows
@@ -228,6 +233,28 @@ def torch_prefill(q, k, v, wg: HeadGroup, ctx: StepContext, ch: PrefillChunk,
     w = torch.sigmoid(l2 - l1).to(out.dtype)[..., None]
     band[r0:].view(cq, n, g, D).lerp_(o2, w)
     return out
+
+
+def _through_kernel(q, k, v, k_ring, v_ring, geo, start: int, sink: int, W: int, scale: float):
+    """The chunk in one call of the C prefill kernel (kernels/cpu_prefill.c), or None where
+    it does not take it. Its keys: the sinks the band leaves out (ring entries [0, ns)),
+    the band before the chunk (positions [start - W, start), geo.ring_read), the chunk's
+    own; the kernel masks what each query does not see."""
+    band_pos = max(0, start - W)  # geo.ring_read's first position
+    ns = min(sink, band_pos)
+    if geo.ring_read is None and not ns:  # a first chunk: its own keys alone, no copy
+        return cpu_kernels.prefill_attention(q, k, v, start, scale, window=W, sink=sink)
+    ks, vs = [], []
+    if ns:
+        ks.append(k_ring.load((slice(None), slice(0, ns))))
+        vs.append(v_ring.load((slice(None), slice(0, ns))))
+    if geo.ring_read is not None:
+        ks.append(k_ring.load((slice(None), geo.ring_read)))
+        vs.append(v_ring.load((slice(None), geo.ring_read)))
+    kk = torch.cat(ks + [k.transpose(0, 1)], 1).transpose(0, 1)  # [S, n, D]
+    vv = torch.cat(vs + [v.transpose(0, 1)], 1).transpose(0, 1)
+    return cpu_kernels.prefill_attention(q, kk, vv, start, scale, window=W, sink=sink, sinks_given=ns,
+                                         band_pos=band_pos)
 
 
 # ---- the Triton backend: rings read with the position each entry holds ---------------

@@ -1,6 +1,7 @@
 """headwise's C kernels for the CPU, compiled on the machine that runs them.
 
-cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_pointwise.c
+cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_prefill.c
+(causal prefill attention in bfloat16 on AVX512-BF16 CPUs), cpu_pointwise.c
 (RMSNorm and the rotary embedding, used by headwise.kernels.pointwise), cpu_matmul.c
 (decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul) and cpu_weights.c
 (weights' codes at start-up, headwise.kernels.weight_codes) are each compiled
@@ -128,7 +129,7 @@ def build_for_engine(pages_chosen: bool) -> None:
     layout has heads that choose pages by key summaries (HeadClass.page_summary): an engine
     starts this beside loading its weights, so that a first build runs the compiler, in
     processes of its own, while the weights load."""
-    weights_library(), library(), pointwise_library(), matmul_library()
+    weights_library(), library(), pointwise_library(), matmul_library(), prefill_library()
     if pages_chosen:
         select_library()
 
@@ -179,6 +180,61 @@ def matmul_library() -> ctypes.CDLL | None:
                                     _ptr, _i64, ctypes.c_int, ctypes.c_int]
         lib.int8_matmul.restype = ctypes.c_int
     return lib
+
+
+@functools.cache
+def prefill_library(amx_too: bool = False) -> ctypes.CDLL | None:
+    """Causal prefill attention (cpu_prefill.c), or None: also on a CPU without AVX512-BF16,
+    and (unless amx_too: tests) on one with AMX, where PyTorch's own kernel multiplies with
+    AMX tiles, which this one does not use (not measured against it: no machine with AMX
+    was at hand)."""
+    flags = _cpu_id().split()
+    if "avx512_bf16" not in flags or ("amx_bf16" in flags and not amx_too):
+        return None
+    lib = _load("cpu_prefill")
+    if lib is not None:
+        lib.prefill_attention.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64,
+                                          *[_i64] * 10, ctypes.c_float, ctypes.c_int]
+        lib.prefill_attention.restype = ctypes.c_int
+    return lib
+
+
+def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
+                      window: int | None = None, sink: int = 0, sinks_given: int = 0, band_pos: int = 0,
+                      amx_too: bool = False) -> torch.Tensor | None:
+    """cpu_prefill.c: attention of q [c, H, D], the positions [start, start + c), over k, v
+    [S, nkv, D] (any strides but D's, the same for k and v), query head h reading KV head
+    h // (H // nkv) -> [c, H, D]. A query at position p sees the keys at positions
+    (p - window, p] and those below `sink` up to p (window None: every key up to p).
+    Keys [0, sinks_given) are positions [0, sinks_given), the rest positions band_pos on;
+    they must hold every key a query sees. None where the kernel does not take these
+    inputs: not bfloat16 on the CPU, D not a multiple of 64 up to 256, a CPU without
+    AVX512-BF16 (or with AMX: see prefill_library), no library."""
+    c, H, D = q.shape
+    S, nkv = k.shape[0], k.shape[1]
+    if (q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or q.device.type != "cpu"
+            or k.device.type != "cpu" or D % 64 or D > 256 or k.shape[-1] != D or v.shape != k.shape
+            or k.stride() != v.stride() or q.stride(-1) != 1 or k.stride(-1) != 1 or H % nkv):
+        return None
+    if not (0 <= sinks_given <= min(band_pos, S) and 0 <= band_pos <= start
+            and band_pos + S - sinks_given >= start + c and sink >= 0 and (window is None or window >= 1)):
+        raise ValueError(f"keys of positions [0, {sinks_given}) and [{band_pos}, "
+                         f"{band_pos + S - sinks_given}) do not hold what queries [{start}, {start + c}) see")
+    lib = prefill_library(amx_too)
+    if lib is None:
+        return None
+    out = torch.empty(c, H, D, dtype=q.dtype)
+    rc = lib.prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
+                               k.stride(0), k.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+                               c, S, sinks_given, band_pos, start, sink, start + c if window is None else window,
+                               H, nkv, D, scale, torch.get_num_threads())
+    if rc == -1:  # built without AVX512-BF16: this CPU lacks it
+        return None
+    if rc == -3:
+        raise MemoryError("cpu_prefill: no memory for the packed keys and values")
+    if rc:
+        raise RuntimeError(f"cpu_prefill.prefill_attention failed ({rc})")
+    return out
 
 
 @functools.cache
