@@ -112,7 +112,8 @@ def test_engine_prefill_through_kernel_equals_pytorch(tmp_path, tokenizer_dir, m
         layout = HeadLayout("mixed", 2, 2, 64, [[HeadSpec("full"), HeadSpec("window", 4, 40)]] * 2)
     llm = LLM(str(path), head_layout=layout, kv_cache_memory=1 << 24, dtype="bfloat16")
     ids = list(range(5, 205))
-    kernel = cpu_kernels.prefill_attention
+    kernel, library = cpu_kernels.prefill_attention, cpu_kernels.prefill_library
+    monkeypatch.setattr(cpu_kernels, "prefill_library", lambda amx_too=False: library(True))  # AMX CPUs too
     calls = []
     monkeypatch.setattr(full.cpu_kernels, "prefill_attention",
                         lambda *a, **kw: calls.append((a[3], kw.get("window"))) or kernel(*a, amx_too=True, **kw))
