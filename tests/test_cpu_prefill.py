@@ -100,9 +100,10 @@ def test_engine_prefill_through_kernel_equals_pytorch(tmp_path, tokenizer_dir, m
     first and every later one through the kernel (full heads; with `mixed`, window heads of
     sink 4 and window 40 too, whose bands reach back into earlier chunks), gives the logits
     PyTorch's attention gives, within bfloat16 rounding, and the same next token at nearly
-    every position."""
+    every position. The band masks of PyTorch's window path are built only where it runs."""
     from headwise import LLM
     from headwise.heads import full
+    from headwise.layers import window_geometry
     from headwise.heads.layout import HeadLayout, HeadSpec
     from tests.conftest import make_tiny_model
 
@@ -117,11 +118,15 @@ def test_engine_prefill_through_kernel_equals_pytorch(tmp_path, tokenizer_dir, m
     calls = []
     monkeypatch.setattr(full.cpu_kernels, "prefill_attention",
                         lambda *a, **kw: calls.append((a[3], kw.get("window"))) or kernel(*a, amx_too=True, **kw))
+    built, band_masks = [], window_geometry.band_masks
+    monkeypatch.setattr(window_geometry, "band_masks", lambda *a: built.append(a[0]) or band_masks(*a))
     got = llm.engine.prompt_logits(ids, chunk_size=64).float()
     windows = [None] if layout == "full" else [None, 40]
     assert sorted(set(calls), key=str) == sorted({(s, w) for s in (0, 64, 128, 192) for w in windows}, key=str)
+    assert built == []
     monkeypatch.setattr(full.cpu_kernels, "prefill_attention", lambda *a, **kw: None)
     ref = llm.engine.prompt_logits(ids, chunk_size=64).float()
+    assert sorted(set(built)) == ([] if windows == [None] else [0, 64, 128, 192])
     assert (got - ref).abs().max().item() < 0.05 * ref.abs().max().item()
     assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
 

@@ -240,7 +240,7 @@ def _through_kernel(q, k, v, k_ring, v_ring, geo, start: int, sink: int, W: int,
     it does not take it. Its keys: the sinks the band leaves out (ring entries [0, ns)),
     the band before the chunk (positions [start - W, start), geo.ring_read), the chunk's
     own; the kernel masks what each query does not see."""
-    if q.dtype != torch.bfloat16 or q.device.type != "cpu" or cpu_kernels.prefill_library() is None:
+    if not cpu_kernels.prefill_takes(q):
         return None  # what the kernel declines, before the ring's keys are copied for it
     band_pos = max(0, start - W)  # geo.ring_read's first position
     ns = min(sink, band_pos)

@@ -199,6 +199,14 @@ def prefill_library(amx_too: bool = False) -> ctypes.CDLL | None:
     return lib
 
 
+def prefill_takes(q: torch.Tensor, amx_too: bool = False) -> bool:
+    """Whether prefill_attention may take queries like q [c, H, D] (bfloat16 on the CPU, D
+    a multiple of 64 up to 256, the library loaded): callers ask before gathering keys for it."""
+    D = q.shape[-1]
+    return (q.dtype == torch.bfloat16 and q.device.type == "cpu" and D % 64 == 0 and D <= 256
+            and prefill_library(amx_too) is not None)
+
+
 def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, scale: float,
                       window: int | None = None, sink: int = 0, sinks_given: int = 0, band_pos: int = 0,
                       amx_too: bool = False) -> torch.Tensor | None:
@@ -212,17 +220,15 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     AVX512-BF16 (or with AMX: see prefill_library), no library."""
     c, H, D = q.shape
     S, nkv = k.shape[0], k.shape[1]
-    if (q.dtype != torch.bfloat16 or k.dtype != q.dtype or v.dtype != q.dtype or q.device.type != "cpu"
-            or k.device.type != "cpu" or D % 64 or D > 256 or k.shape[-1] != D or v.shape != k.shape
-            or k.stride() != v.stride() or q.stride(-1) != 1 or k.stride(-1) != 1 or H % nkv):
+    if (not prefill_takes(q, amx_too) or k.dtype != q.dtype or v.dtype != q.dtype or k.device.type != "cpu"
+            or k.shape[-1] != D or v.shape != k.shape or k.stride() != v.stride() or q.stride(-1) != 1
+            or k.stride(-1) != 1 or H % nkv):
         return None
     if not (0 <= sinks_given <= min(band_pos, S) and 0 <= band_pos <= start
             and band_pos + S - sinks_given >= start + c and sink >= 0 and (window is None or window >= 1)):
         raise ValueError(f"keys of positions [0, {sinks_given}) and [{band_pos}, "
                          f"{band_pos + S - sinks_given}) do not hold what queries [{start}, {start + c}) see")
     lib = prefill_library(amx_too)
-    if lib is None:
-        return None
     out = torch.empty(c, H, D, dtype=q.dtype)
     rc = lib.prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
                                k.stride(0), k.stride(1), out.data_ptr(), out.stride(0), out.stride(1),

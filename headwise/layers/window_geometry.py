@@ -4,7 +4,8 @@ never on the layer, so the model runner builds it once per step into the step co
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import cached_property
 from typing import NamedTuple
 
 import torch
@@ -83,9 +84,16 @@ class WindowChunk:
     causal_rows: int               # leading rows computed as plain causal attention
     write_rows: torch.Tensor       # [r] chunk rows that survive into the ring
     write_index: torch.Tensor      # [r] their ring entries
-    masks: BandMasks | None = None       # torch backend
     ring_read: torch.Tensor | None = None  # torch: ring entries of the earlier context the band reads
     ring_pos: torch.Tensor | None = None  # [R] position per ring entry before the chunk (Triton)
+    # torch backend: band_masks' arguments. The masks are built on first read only, as
+    # the C prefill kernel (heads/window.py) masks by position and never reads them.
+    mask_args: tuple | None = field(default=None, repr=False)
+
+    @cached_property
+    def masks(self) -> BandMasks | None:
+        """The band rows' masks (torch backend; None where every row is causal)."""
+        return None if self.mask_args is None else band_masks(*self.mask_args)
 
 
 def ring_writes(start: int, length: int, sink: int, window: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,7 +110,7 @@ def window_chunk(start: int, length: int, sink: int, window: int, g: int, dtype,
     if for_kernels:
         ch.ring_pos = ring_positions(sink, window, start, device)
     else:
-        ch.masks = band_masks(start, length, sink, window, g, dtype, device, block)
+        ch.mask_args = (start, length, sink, window, g, dtype, device, block)
         # Band rows start at start + causal rows and reach back `window` positions; what
         # lies before the chunk is read from the ring (positions [lo, start)).
         lo = max(0, start + ch.causal_rows - window)
