@@ -95,7 +95,13 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--out", default="bench/prefill_attention.json")
     args = ap.parse_args(argv)
-    starts = [int(x) for x in args.starts.split(",")]
+    unknown = [m for m in args.models.split(",") if m not in MODELS]
+    if unknown:
+        ap.error(f"unknown model(s) {', '.join(unknown)}; known: {', '.join(MODELS)}")
+    try:
+        starts = [int(x) for x in args.starts.split(",")]
+    except ValueError:
+        ap.error(f"--starts takes comma-separated token counts, not {args.starts!r}")
     rows, records = [], []
     ways = ["masked SDPA", "two SDPA calls", "kernel"]
     for name in args.models.split(","):

@@ -139,6 +139,18 @@ def test_gpu_benchmark_refuses_cuda_without_gpu(capsys):
     assert "no CUDA device" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args,message", [(["--models", "Qwen2.5-Coder-0.5B,nope"], "unknown model(s) nope"),
+                                          (["--starts", "0,8K"], "--starts takes comma-separated token counts")])
+def test_prefill_attention_benchmark_refuses_bad_arguments(tmp_path, capsys, args, message):
+    """A misspelt model or start is a usage error naming it, before anything is measured or written."""
+    from benchmarks import bench_prefill_attention
+
+    with pytest.raises(SystemExit) as e:
+        bench_prefill_attention.main(args + ["--out", str(tmp_path / "p.json")])
+    assert e.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "p.json").exists()
+
+
 def test_linear_benchmark_harness(tmp_path):
     """benchmarks/bench_linear.py on the default model, one short run: every projection has
     its 4-bit copy, every row count gets all three timings and the MLP pair."""
