@@ -172,7 +172,8 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
     /* qb [QB][D]: the rows' queries (zero past n); o [QB][D]: their unnormalised outputs */
     _Alignas(64) float s[R * BK];
     _Alignas(64) uint16_t pb[R * BK];
-    float m[QB], l[QB];
+    float m[QB];
+    __m512 l[QB];  /* running sums, 16 lanes each: summed across lanes once, at the end */
     int64_t groups = (n + R - 1) / R;
     for (int64_t r = 0; r < groups * R; r++) {
         if (r < n)
@@ -181,7 +182,7 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
             memset(qb + r * D, 0, D * 2);
         memset(o + r * D, 0, D * 4);
         m[r] = -INFINITY;
-        l[r] = 0.0f;
+        l[r] = _mm512_setzero_ps();
     }
     int64_t p_first = start + i0, p_last = start + i0 + n - 1;
     for (int sg = 0; sg < nseg; sg++) {
@@ -204,14 +205,22 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
                     __m512 v4[4];
                     __mmask16 ok[4];
                     __m512 mx = _mm512_set1_ps(-INFINITY);
-                    for (int t = 0; t < 4; t++) {
-                        int64_t t0 = b0 + t * 16;
-                        /* the window (p - W, p] and the sinks [0, sink) up to p, among existing keys */
-                        uint32_t bits = (range_bits(t0, p - W + 1, p) | range_bits(t0, 0, (sink < p + 1 ? sink : p + 1) - 1))
-                                        & range_bits(t0, b0, b1 - 1);
-                        ok[t] = full ? (__mmask16)0xffff : (__mmask16)bits;
-                        v4[t] = _mm512_mask_blend_ps(ok[t], _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr + t * 16));
-                        mx = _mm512_max_ps(mx, v4[t]);
+                    if (full) {  /* most blocks of a long prompt: no per-key visibility to work out */
+                        for (int t = 0; t < 4; t++) {
+                            ok[t] = (__mmask16)0xffff;
+                            v4[t] = _mm512_loadu_ps(sr + t * 16);
+                            mx = _mm512_max_ps(mx, v4[t]);
+                        }
+                    } else {
+                        for (int t = 0; t < 4; t++) {
+                            int64_t t0 = b0 + t * 16;
+                            /* the window (p - W, p] and the sinks [0, sink) up to p, among existing keys */
+                            ok[t] = (__mmask16)((range_bits(t0, p - W + 1, p)
+                                                 | range_bits(t0, 0, (sink < p + 1 ? sink : p + 1) - 1))
+                                                & range_bits(t0, b0, b1 - 1));
+                            v4[t] = _mm512_mask_blend_ps(ok[t], _mm512_set1_ps(-INFINITY), _mm512_loadu_ps(sr + t * 16));
+                            mx = _mm512_max_ps(mx, v4[t]);
+                        }
                     }
                     float bm = _mm512_reduce_max_ps(mx);
                     if (bm == -INFINITY) {  /* the row sees none of the block */
@@ -227,7 +236,7 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
                         sum = _mm512_add_ps(sum, _mm512_add_ps(e0, e1));
                         _mm512_storeu_si512(pb + r * BK + t * 16, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
                     }
-                    l[row] = l[row] * alpha + _mm512_reduce_add_ps(sum);
+                    l[row] = _mm512_fmadd_ps(l[row], _mm512_set1_ps(alpha), sum);
                     m[row] = mnew;
                     if (alpha != 1.0f) {
                         __m512 a = _mm512_set1_ps(alpha);
@@ -241,7 +250,7 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
         }
     }
     for (int64_t r = 0; r < n; r++) {
-        __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+        __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
         uint16_t *dst = out + (i0 + r) * o_row;
         for (int64_t d = 0; d < D; d += 16)
             _mm256_storeu_si256((__m256i *)(dst + d),
