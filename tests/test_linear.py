@@ -39,13 +39,27 @@ def test_pack_leaves_unsupported_weights_alone():
         lin(torch.zeros(1, 8, dtype=torch.float16), act="gelu")
 
 
-def test_engine_packs_cpu_weights(tiny_models):
+@pytest.mark.parametrize("packable", [True, False])
+def test_engine_packs_cpu_weights(tiny_models, monkeypatch, packable):
+    """Where oneDNN packs weights, every projection is packed once and its dense copy
+    dropped; where it cannot (patched off here), each keeps its dense weight and computes
+    with it."""
     from headwise import LLM
+    from headwise.layers import linear
 
+    if not packable:
+        monkeypatch.setattr(linear, "can_pack", lambda weight: False)
+    elif not can_pack(torch.zeros(1)):
+        pytest.skip("no oneDNN in this PyTorch build")
     llm = LLM(str(tiny_models["llama"]), head_layout="full", kv_cache_memory=1 << 22)
     lins = [m for m in llm.engine.model.modules() if isinstance(m, Linear)]
-    if can_pack(llm.engine.model.model.embed_tokens.weight):
-        assert lins and all(m.packed is not None and m.weight is None for m in lins)
+    assert lins
+    if packable:
+        assert all(m.packed is not None and m.weight is None for m in lins)
+    else:
+        assert all(m.packed is None and m.weight is not None for m in lins)
+        x = torch.randn(3, lins[0].in_features, dtype=lins[0].weight.dtype)
+        assert torch.allclose(lins[0](x), F.linear(x, lins[0].weight, lins[0].bias))
 
 
 def _q4_1_weight(N: int, K: int, seed: int = 0):

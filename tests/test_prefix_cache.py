@@ -113,8 +113,11 @@ def test_short_prompts_and_shared_system_prompt_in_one_batch(tiny_models):
     tok = cached.tokenizer
     system = tok.encode("You are a careful assistant for river maps. ")
     prompts = [tok.encode("Hi"), tok.encode("Rivers"), system + [300], system + [301, 302], system + [303]]
-    for g, w in zip(cached.generate(prompts, GREEDY, use_tqdm=False), plain.generate(prompts, GREEDY, use_tqdm=False)):
+    got = cached.generate(prompts, GREEDY, use_tqdm=False)
+    for g, w in zip(got, plain.generate(prompts, GREEDY, use_tqdm=False)):
         _same(g, w)
+    whole = len(system) // 4 * 4  # the system prompt's whole blocks (block_size 4)
+    assert whole >= 8 and [g.num_cached_tokens for g in got[3:]] == [whole, whole]
 
 
 def test_evicted_prefix_is_recomputed(tiny_models):
