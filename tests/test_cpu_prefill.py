@@ -60,6 +60,25 @@ def test_kernel_reads_strided_keys_and_large_scores():
     assert (got.double() - ref).abs().max().item() < 2e-2
 
 
+@pytest.mark.parametrize("slope", [0.02, 0.1, 0.5])
+def test_scores_rising_key_after_key(slope):
+    """Scores that rise along the keys by `slope` each (1.3, 6.4 and 32 per 64-key block):
+    the kernel's lazy running max stays put while a block passes it by little and moves
+    when one passes it by more, and both give attention as computed in float64."""
+    c, start, H, nkv, D = 40, 600, 2, 1, 64
+    S = start + c
+    gen = torch.Generator().manual_seed(11)
+    q = torch.zeros(c, H, D)
+    q[:, :, 0] = 1.0
+    k = 0.05 * torch.randn(S, nkv, D, generator=gen)
+    k[:, :, 0] = slope * torch.arange(S, dtype=torch.float32)[:, None] / 0.125  # score of key j: ~slope * j
+    q, k = q.bfloat16(), k.bfloat16()
+    v = torch.randn(S, nkv, D, generator=gen).bfloat16()
+    got = cpu_kernels.prefill_attention(q, k, v, start, 0.125, amx_too=True).double()
+    ref = reference(q, k, v, start, 0.125)
+    assert (got - ref).abs().max().item() < 2e-2 * ref.abs().max().item() + 1e-2
+
+
 def test_rows_after_the_first_ignore_later_keys():
     """Causality: changing the keys and values of positions after a row leaves that row's
     output as it was."""

@@ -13,7 +13,9 @@
  *
  * Numerics follow PyTorch's kernel: scores in float32, times `scale`, a running max and
  * sum in float32, probabilities rounded to bfloat16 for P.V (PyTorch does the same), the
- * output rounded once. exp is a degree-7 polynomial (relative error ~1e-8 before rounding).
+ * output rounded once. The running max is lazy (LAZY_MAX): probabilities are taken
+ * against a max that may trail the true one by up to 8, which scales them all alike. exp
+ * is a degree-7 polynomial (relative error ~1e-8 before rounding).
  *
  * q [Lq rows][H heads][D], k and v [S rows][nkv heads][D], out like q, each with its own
  * row and head strides (elements) and unit stride along D. Query row i is position
@@ -40,8 +42,12 @@
 #define QB 128     /* query rows of one work item: R-row groups sharing each key block in cache */
 #define BK 64      /* keys of one online-softmax step: 4 tiles of 16 */
 #define DMAX 256
+/* How far a score may pass the row's running max before the max moves (natural-log
+ * units): probabilities up to e^8 (~3000) lose nothing in float32 sums or in bfloat16,
+ * whose rounding is relative. */
+#define LAZY_MAX 8.0f
 
-/* e^x for x <= 0 (clamped at -87: below, the caller's mask zeroes what matters) */
+/* e^x for x <= LAZY_MAX (clamped at -87: below, the caller's mask zeroes what matters) */
 static inline __m512 exp_neg(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
@@ -222,14 +228,20 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
                             mx = _mm512_max_ps(mx, v4[t]);
                         }
                     }
-                    float bm = _mm512_reduce_max_ps(mx);
-                    if (bm == -INFINITY) {  /* the row sees none of the block */
+                    if (!full && !(ok[0] | ok[1] | ok[2] | ok[3])) {  /* the row sees none of the block */
                         memset(pb + r * BK, 0, BK * 2);
                         continue;
                     }
-                    float mnew = bm > m[row] ? bm : m[row];
-                    float alpha = m[row] == -INFINITY ? 0.0f : expf(m[row] - mnew);
-                    __m512 mn = _mm512_set1_ps(mnew), sum = _mm512_setzero_ps();
+                    /* Lazy maximum: the running max moves only when a score passes it by more
+                     * than LAZY_MAX, so most blocks skip the horizontal max and the rescale of
+                     * the row's output. */
+                    float alpha = 1.0f;
+                    if (_mm512_cmp_ps_mask(mx, _mm512_set1_ps(m[row] + LAZY_MAX), _CMP_GT_OQ)) {
+                        float bm = _mm512_reduce_max_ps(mx);
+                        alpha = m[row] == -INFINITY ? 0.0f : expf(m[row] - bm);
+                        m[row] = bm;
+                    }
+                    __m512 mn = _mm512_set1_ps(m[row]), sum = _mm512_setzero_ps();
                     for (int t = 0; t < 4; t += 2) {
                         __m512 e0 = _mm512_maskz_mov_ps(ok[t], exp_neg(_mm512_sub_ps(v4[t], mn)));
                         __m512 e1 = _mm512_maskz_mov_ps(ok[t + 1], exp_neg(_mm512_sub_ps(v4[t + 1], mn)));
@@ -237,7 +249,6 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
                         _mm512_storeu_si512(pb + r * BK + t * 16, (__m512i)_mm512_cvtne2ps_pbh(e1, e0));
                     }
                     l[row] = _mm512_fmadd_ps(l[row], _mm512_set1_ps(alpha), sum);
-                    m[row] = mnew;
                     if (alpha != 1.0f) {
                         __m512 a = _mm512_set1_ps(alpha);
                         float *orow = o + row * D;
