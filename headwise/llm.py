@@ -9,6 +9,7 @@ from headwise.config import EngineConfig
 from headwise.engine.llm_engine import LLMEngine
 from headwise.engine.sequence import Sequence
 from headwise.sampling import SamplingParams
+from headwise.tokenizer import ChatOptions
 
 
 @dataclass
@@ -114,11 +115,13 @@ class LLM:
         return [RequestOutput.from_seqs(g) for g in groups]
 
     def chat(self, messages, params: "SamplingParams | list[SamplingParams] | None" = None,
-             use_tqdm: bool = True) -> list[RequestOutput]:
+             use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {role, content}) or a list of them;
-        `params` as in generate."""
+        `params` as in generate; the rest as in vLLM's LLM.chat (tokenizer.ChatOptions)."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts = [self.tokenizer.encode_chat(c) for c in convs]
+        prompts = [self.tokenizer.encode_chat(c, options) for c in convs]
         return self.generate(prompts, params, use_tqdm)
 
     def _run(self, groups: list[list[Sequence]], queued: list[Sequence], progress: bool) -> None:

@@ -36,6 +36,12 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None  # token id -> added to its logit, in [-100, 100]
     min_tokens: int = 0            # no EOS, stop token or stop string before this many tokens
     structured_outputs: StructuredOutputs | None = None
+    # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
+    allowed_token_ids: list[int] | None = None
+    # A matched stop string, or the stop token's text, stays at the end of the output
+    # (vLLM's semantics: by default neither is in it).
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # special tokens left out of the output text
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -45,6 +51,9 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidParameterError("logit_bias", "logit_bias must map token ids to biases")
         bias = self.logit_bias or {}
+        if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        allowed = self.allowed_token_ids
         checks = [
             ("max_tokens", isinstance(self.max_tokens, int) and not isinstance(self.max_tokens, bool)
              and self.max_tokens >= 1, f"must be an integer >= 1, got {self.max_tokens!r}"),
@@ -76,6 +85,11 @@ class SamplingParams:
              "must map non-negative token ids to numbers in [-100, 100]"),
             ("min_tokens", _is_int(self.min_tokens) and 0 <= self.min_tokens <= self.max_tokens,
              f"must be an integer in [0, max_tokens], got {self.min_tokens!r}"),
+            ("allowed_token_ids", allowed is None or (isinstance(allowed, list) and len(allowed) > 0
+                                                      and all(_is_int(t) and t >= 0 for t in allowed)),
+             "must be a non-empty list of non-negative token ids"),
+            ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a boolean"),
+            ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             ("structured_outputs", self.structured_outputs is None
              or isinstance(self.structured_outputs, StructuredOutputs), "must be a StructuredOutputs"),
         ]

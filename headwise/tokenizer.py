@@ -6,7 +6,10 @@ import json
 import logging
 import os
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from headwise.errors import InvalidParameterError
 
 log = logging.getLogger(__name__)
 
@@ -76,14 +79,48 @@ class Tokenizer:
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]]) -> str:
+    def apply_chat_template(self, messages: list[dict[str, str]], options: "ChatOptions | None" = None) -> str:
+        """The conversation as the model's template writes it. By default it ends with the
+        assistant's turn opened (add_generation_prompt); with continue_final_message the
+        last message, an assistant's, is left open for the reply to continue."""
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        o = options or ChatOptions()
+        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=o.add_generation_prompt,
+                                           continue_final_message=o.continue_final_message,
+                                           **o.template_kwargs)
 
-    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, str]], options: "ChatOptions | None" = None) -> list[int]:
         # The template already holds the special tokens it needs.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        return self.encode(self.apply_chat_template(messages, options), add_special_tokens=False)
+
+
+# apply_chat_template's own parameters: not variables a request may pass to the template.
+_RESERVED_TEMPLATE_KWARGS = frozenset((
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"))
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How a conversation is rendered (vLLM's chat request fields of the same names).
+    template_kwargs: extra variables the template reads (e.g. Qwen3's enable_thinking)."""
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    template_kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.add_generation_prompt and self.continue_final_message:
+            raise InvalidParameterError("continue_final_message", "continue_final_message needs "
+                                        "add_generation_prompt=false: the last message is continued, "
+                                        "not answered")
+        if not isinstance(self.template_kwargs, dict) or not all(isinstance(k, str) for k in self.template_kwargs):
+            raise InvalidParameterError("chat_template_kwargs", "chat_template_kwargs must map names to values")
+        taken = sorted(_RESERVED_TEMPLATE_KWARGS.intersection(self.template_kwargs))
+        if taken:
+            raise InvalidParameterError("chat_template_kwargs", f"chat_template_kwargs may not set {taken[0]!r}: "
+                                        "it is a parameter of its own")
 
 
 # ---- reloading a cached tokenizer without the Python pass over its vocabulary ----------

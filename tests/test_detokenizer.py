@@ -15,8 +15,8 @@ def tok(tokenizer_dir):
     return Tokenizer(AutoTokenizer.from_pretrained(str(tokenizer_dir)))
 
 
-def _feed(tok, ids, stop=()):
-    d = IncrementalDetokenizer(tok, list(stop))
+def _feed(tok, ids, stop=(), **kw):
+    d = IncrementalDetokenizer(tok, list(stop), **kw)
     out, per_step = [], []
     for i in range(1, len(ids) + 1):
         before = (d.tokens_decoded, d.chars_scanned)
@@ -46,6 +46,28 @@ def test_stop_string_across_token_boundaries(tok):
     ids = tok.encode("abc🚀def", add_special_tokens=False)
     d, _, _, hit = _feed(tok, ids, stop=["c🚀d"])
     assert hit and d.text == "ab"
+
+
+def test_include_stop_keeps_the_first_match_and_no_more(tok):
+    ids = tok.encode("The answer is 42. STOP-HERE and more text after it.", add_special_tokens=False)
+    d, _, _, hit = _feed(tok, ids, stop=["never", "-HERE and"], include_stop=True)
+    assert hit and d.text == "The answer is 42. STOP-HERE and"
+    # the match that completes first wins, as the text streams
+    d, _, _, hit = _feed(tok, ids, stop=["STOP-HERE", "STOP"], include_stop=True)
+    assert hit and d.text == "The answer is 42. STOP"
+    ids = tok.encode("abc🚀def", add_special_tokens=False)
+    d, _, _, hit = _feed(tok, ids, stop=["c🚀d", "🚀"], include_stop=True)
+    assert hit and d.text == "abc🚀"
+    # both complete in one step: the one that starts first
+    d = IncrementalDetokenizer(tok, ["b", "ab"], include_stop=True)
+    assert d._append("xxabyy") and d.text == "xxab"
+
+
+def test_special_tokens_are_kept_when_asked(tok):
+    special = tok.hf.convert_tokens_to_ids("<|im_end|>")
+    ids = tok.encode("Hello", add_special_tokens=False) + [special] + tok.encode(" world", add_special_tokens=False)
+    assert _feed(tok, ids)[0].text == "Hello world"
+    assert _feed(tok, ids, skip_special_tokens=False)[0].text == "Hello<|im_end|> world"
 
 
 def test_work_per_token_is_bounded_over_4096_tokens(tok):

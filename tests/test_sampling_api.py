@@ -15,6 +15,7 @@ from headwise.engine.sequence import Sequence
 from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
 from headwise.structured import StructuredOutputs
+from headwise.tokenizer import ChatOptions
 
 V = 64
 
@@ -33,6 +34,9 @@ def _seq(out=(), prompt=(1, 2), **params) -> Sequence:
     ({"logit_bias": {3: 101}}, "logit_bias"), ({"logit_bias": {-1: 1}}, "logit_bias"),
     ({"logit_bias": [1]}, "logit_bias"), ({"min_tokens": 9, "max_tokens": 8}, "min_tokens"),
     ({"n": 0}, "n"), ({"n": True}, "n"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
+    ({"allowed_token_ids": 5}, "allowed_token_ids"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
 ])
 def test_bad_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
@@ -89,6 +93,20 @@ def test_logit_bias_and_min_tokens():
     assert _process(logits[:1].clone(), [ignore], {2}, None)[0, 2] == 5.0
     r = sample(logits[:1].clone(), [_seq(logit_bias={40: 100.0})], {2})
     assert r[0].token == 40
+
+
+def test_allowed_token_ids_mask_everything_else():
+    logits = torch.randn(2, V)
+    a, b = _seq(allowed_token_ids=[5, 9, 9], logit_bias={9: 2.0, 11: 3.0}), _seq()
+    got = _process(logits.clone(), [a, b], {2}, None)
+    want = torch.full((V,), float("-inf"))
+    want[5], want[9] = logits[0, 5], logits[0, 9] + 2.0  # the bias applies after the mask
+    want[11] = float("-inf") + 3.0
+    torch.testing.assert_close(got[0], want)
+    torch.testing.assert_close(got[1], logits[1])  # its neighbour in the batch is untouched
+    picks = {sample(logits[:1].clone(), [_seq(temperature=1.0, seed=s, allowed_token_ids=[5, 9])])[0].token
+             for s in range(30)}
+    assert picks <= {5, 9} and len(picks) == 2
 
 
 def test_min_p_keeps_only_tokens_near_the_top():
@@ -212,6 +230,50 @@ def test_min_tokens_and_logit_bias_end_to_end(default_llm):
     banned = default_llm.chat([{"role": "user", "content": "Say hi."}],
                               SamplingParams(max_tokens=4, logit_bias={first: -100.0}))[0]
     assert banned.token_ids[0] != first
+
+
+def test_allowed_ids_stop_strings_and_special_tokens_end_to_end(default_llm):
+    digits = [default_llm.tokenizer.encode(str(d), add_special_tokens=False)[0] for d in range(10)]
+    out = default_llm.generate("Count: 1, 2, 3,", SamplingParams(max_tokens=6, temperature=1.0, seed=4,
+                                                                 allowed_token_ids=digits))[0]
+    assert set(out.token_ids) <= set(digits) and out.text.isdigit()
+    say = [{"role": "user", "content": "Say hi."}]
+    plain = default_llm.chat(say, SamplingParams(max_tokens=40))[0]
+    assert plain.finish_reason == "stop" and "<|im_end|>" not in plain.text
+    kept = default_llm.chat(say, SamplingParams(max_tokens=40, skip_special_tokens=False,
+                                                include_stop_str_in_output=True))[0]
+    assert kept.text == plain.text + "<|im_end|>"  # the stop token's text, asked for
+    unkept = default_llm.chat(say, SamplingParams(max_tokens=40, skip_special_tokens=False))[0]
+    assert unkept.text == plain.text
+    word = plain.text.split()[1]
+    cut = default_llm.chat(say, SamplingParams(max_tokens=40, stop=[word]))[0]
+    with_stop = default_llm.chat(say, SamplingParams(max_tokens=40, stop=[word], include_stop_str_in_output=True))[0]
+    assert with_stop.text == cut.text + word and plain.text.startswith(with_stop.text)
+    with pytest.raises(InvalidParameterError) as e:  # nothing could be sampled before min_tokens
+        default_llm.generate("hi", SamplingParams(allowed_token_ids=sorted(default_llm.engine.eos_ids), min_tokens=1))
+    assert e.value.param == "allowed_token_ids"
+    with pytest.raises(InvalidParameterError) as e:
+        default_llm.generate("hi", SamplingParams(allowed_token_ids=[10 ** 6]))
+    assert e.value.param == "allowed_token_ids"
+
+
+def test_chat_continues_the_final_message(default_llm):
+    conv = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+    tok = default_llm.tokenizer
+    opened = tok.apply_chat_template(conv, ChatOptions(add_generation_prompt=False, continue_final_message=True))
+    assert opened.endswith("My favourite fruit is")  # left open, no end of turn after it
+    closed = tok.apply_chat_template(conv)
+    assert closed.startswith(opened) and len(closed) > len(opened)
+    out = default_llm.chat(conv, SamplingParams(max_tokens=5), add_generation_prompt=False,
+                           continue_final_message=True)[0]
+    want = default_llm.generate([tok.encode(opened, add_special_tokens=False)], SamplingParams(max_tokens=5))[0]
+    assert out.token_ids == want.token_ids
+    with pytest.raises(InvalidParameterError) as e:
+        default_llm.chat(conv, continue_final_message=True)
+    assert e.value.param == "continue_final_message"
+    with pytest.raises(InvalidParameterError) as e:
+        default_llm.chat(conv, chat_template_kwargs={"messages": []})
+    assert e.value.param == "chat_template_kwargs"
 
 
 def test_engine_refuses_out_of_vocabulary_bias(default_llm):

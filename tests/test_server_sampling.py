@@ -25,7 +25,7 @@ def server():
 
 
 def _chat(url, **body):
-    return httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT, **body}, timeout=120)
+    return httpx.post(f"{url}/v1/chat/completions", json={"messages": CHAT} | body, timeout=120)
 
 
 class Person(BaseModel):
@@ -94,8 +94,7 @@ def test_bad_sampling_fields_are_400_naming_the_field(server, body, param, words
 
 @pytest.mark.parametrize("field", sorted(UNSUPPORTED))
 def test_unsupported_fields_are_refused_by_name(server, field):
-    value = {"include_stop_str_in_output": True, "use_beam_search": True, "skip_special_tokens": False,
-             "continue_final_message": True, "add_generation_prompt": False}.get(field, [{"x": 1}])
+    value = {"use_beam_search": True}.get(field, [{"x": 1}])
     r = _chat(server, max_tokens=2, **{field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     assert r.json()["error"]["code"] == "unsupported_parameter"
@@ -141,3 +140,97 @@ def test_penalties_and_bias_reach_the_sampler(server):
     r = _chat(server, max_tokens=6, temperature=0, presence_penalty=2, frequency_penalty=2,
               repetition_penalty=1.5, min_p=0.1, min_tokens=6)
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 6
+
+
+def _complete(url, **body):
+    return httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+
+
+def test_continue_final_message_echo_and_template_variables(server):
+    conv = [{"role": "user", "content": "Name a fruit."}, {"role": "assistant", "content": "My favourite fruit is"}]
+    opts = {"add_generation_prompt": False, "continue_final_message": True}
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120,
+                   json={"messages": conv, "max_tokens": 5, "temperature": 0, **opts})
+    assert r.status_code == 200, r.text
+    cont = r.json()
+    opened = httpx.post(f"{server}/tokenize", json={"messages": conv, **opts}).json()
+    answered = httpx.post(f"{server}/tokenize", json={"messages": conv}).json()
+    assert cont["usage"]["prompt_tokens"] == opened["count"] != answered["count"]
+    echoed = httpx.post(f"{server}/v1/chat/completions", timeout=120,
+                        json={"messages": conv, "max_tokens": 5, "temperature": 0, "echo": True, **opts}).json()
+    text = cont["choices"][0]["message"]["content"]
+    assert echoed["choices"][0]["message"]["content"] == "My favourite fruit is" + text
+    streamed = ""
+    with httpx.stream("POST", f"{server}/v1/chat/completions", timeout=120,
+                      json={"messages": conv, "max_tokens": 5, "temperature": 0, "echo": True, "stream": True,
+                            **opts}) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                streamed += json.loads(line[6:])["choices"][0]["delta"].get("content", "")
+    assert streamed == "My favourite fruit is" + text
+    # echo repeats only a message of the reply's role: here the user's is not repeated
+    plain = _chat(server, max_tokens=4, temperature=0).json()["choices"][0]["message"]["content"]
+    assert _chat(server, max_tokens=4, temperature=0, echo=True).json()["choices"][0]["message"]["content"] == plain
+    # a template variable SmolLM2's template does not read changes nothing; a reserved one is refused
+    r = _chat(server, max_tokens=4, temperature=0, chat_template_kwargs={"enable_thinking": False})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == plain
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"continue_final_message": True}, "continue_final_message"),
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"allowed_token_ids": []}, "allowed_token_ids"),
+    ({"allowed_token_ids": [10 ** 7]}, "allowed_token_ids"),
+    ({"allowed_token_ids": [2], "min_tokens": 1}, "allowed_token_ids"),
+    ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),
+    ({"truncate_prompt_tokens": 10 ** 6}, "truncate_prompt_tokens"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+])
+def test_bad_chat_and_output_fields_are_400_naming_the_field(server, body, param):
+    r = _chat(server, max_tokens=4, **body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_stop_strings_special_tokens_and_allowed_ids(server):
+    plain = _complete(server, prompt="1, 2, 3,", max_tokens=10, temperature=0).json()["choices"][0]["text"]
+    assert plain.startswith(" 4, 5")
+    cut = _complete(server, prompt="1, 2, 3,", max_tokens=10, temperature=0, stop=[" 5"]).json()["choices"][0]
+    kept = _complete(server, prompt="1, 2, 3,", max_tokens=10, temperature=0, stop=[" 5"],
+                     include_stop_str_in_output=True).json()["choices"][0]
+    assert cut["text"] == " 4," and kept["text"] == " 4, 5" and kept["finish_reason"] == "stop"
+    hi = [{"role": "user", "content": "Say hi."}]
+    chat = _chat(server, max_tokens=60, temperature=0, messages=hi).json()["choices"][0]
+    special = _chat(server, max_tokens=60, temperature=0, messages=hi, skip_special_tokens=False,
+                    include_stop_str_in_output=True).json()["choices"][0]
+    assert chat["finish_reason"] == "stop"
+    assert special["message"]["content"] == chat["message"]["content"] + "<|im_end|>"
+    digits = [httpx.post(f"{server}/tokenize", json={"prompt": str(d), "add_special_tokens": False}).json()["tokens"][0]
+              for d in range(10)]
+    r = _complete(server, prompt="1, 2, 3,", max_tokens=6, temperature=1.0, seed=2, allowed_token_ids=digits)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"].isdigit(), r.text
+    # a constraint and allowed_token_ids with nothing in common: the request fails, cleanly
+    r = _chat(server, max_tokens=4, guided_choice=["yes", "no"], allowed_token_ids=digits)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "structured_output_failed", r.text
+
+
+def test_completion_echo_and_prompt_truncation(server):
+    plain = _complete(server, prompt="1, 2, 3,", max_tokens=3, temperature=0).json()
+    echoed = _complete(server, prompt="1, 2, 3,", max_tokens=3, temperature=0, echo=True).json()
+    assert echoed["choices"][0]["text"] == "1, 2, 3," + plain["choices"][0]["text"]
+    assert echoed["usage"] == plain["usage"] | {"prompt_tokens_details": echoed["usage"]["prompt_tokens_details"]}
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"]
+    by_ids = _complete(server, prompt=ids, max_tokens=3, temperature=0, echo=True).json()
+    assert by_ids["choices"][0]["text"] == echoed["choices"][0]["text"]
+    r = _complete(server, prompt="1, 2, 3,", max_tokens=3, echo=True, logprobs=1)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
+    # the prompt's last k tokens only: as if they had been sent alone
+    long = "Paris is the capital of France. " * 8 + "1, 2, 3,"
+    tail = _complete(server, prompt=long, max_tokens=3, temperature=0, truncate_prompt_tokens=len(ids)).json()
+    assert tail["usage"]["prompt_tokens"] == len(ids)
+    assert tail["choices"][0]["text"] == by_ids["choices"][0]["text"][len("1, 2, 3,"):]
+
+
+def test_version(server):
+    import headwise
+
+    assert httpx.get(f"{server}/version").json() == {"version": headwise.__version__}

@@ -52,7 +52,8 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
     if params.n != 1:
         raise InvalidParameterError("n", "the engine takes one choice per sequence; use LLM.generate or "
                                     "the server for n > 1 (SamplingParams.for_choice)")
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids)):
+    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
+                      ("allowed_token_ids", params.allowed_token_ids or [])):
         far = [t for t in ids if t >= vocab_size]
         if far:
             raise InvalidParameterError(name, f"{name}: token id {far[0]} is outside the vocabulary "
@@ -189,8 +190,15 @@ class LLMEngine:
 
     def check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this vocabulary, and
-        one choice per sequence (the LLM and the server fan n out into choices)."""
+        one choice per sequence (the LLM and the server fan n out into choices), and
+        allowed_token_ids that leave something to sample before min_tokens (when the stop
+        tokens are masked)."""
         check_params(params, self.model_config.vocab_size)
+        if params.allowed_token_ids and params.min_tokens:
+            stops = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+            if stops.issuperset(params.allowed_token_ids):
+                raise InvalidParameterError("allowed_token_ids", "allowed_token_ids holds only stop tokens, "
+                                            "which min_tokens forbids until it is reached")
 
     def new_sequence(self, ids: list[int], params: SamplingParams, request_id: str | None = None) -> Sequence:
         """A checked sequence, its structured-output matcher compiled (on this thread)."""
@@ -267,6 +275,10 @@ class LLMEngine:
         if seq.matcher is not None and seq.matcher.is_error():
             # The grammar hit one of llguidance's limits at this step; its token is dropped.
             seq.error = f"structured output failed: {seq.matcher.get_error().strip()}"
+        elif r.token is None:
+            seq.error = ("structured output failed: no token may follow (the grammar allows none of "
+                         "allowed_token_ids)")
+        if seq.error is not None:
             seq.finish_reason, seq.finish_time = "abort", now
             self.scheduler.finish(seq)
             return
@@ -281,12 +293,15 @@ class LLMEngine:
                 seq.top_logprobs.append(r.top_logprobs)
         detok = seq.detokenizer
         if detok is None:
-            detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop)
+            detok = seq.detokenizer = IncrementalDetokenizer(self.tokenizer, p.stop, p.include_stop_str_in_output,
+                                                             p.skip_special_tokens)
         reason = None
         grammar_done = seq.matcher is not None and consume(seq.matcher, r.token)
         if r.token in p.stop_token_ids or (not p.ignore_eos and r.token in self.eos_ids):
             reason = "stop"
-            detok.flush(seq.output_token_ids)
+            # The stop token's text is not output unless asked for (vLLM).
+            ids = seq.output_token_ids
+            detok.flush(ids if p.include_stop_str_in_output else ids[:-1])
         # Before min_tokens the sampler masked the stop tokens, and stop strings wait (vLLM).
         elif detok.step(seq.output_token_ids, check_stop=len(seq.output_token_ids) >= p.min_tokens):
             reason = "stop"

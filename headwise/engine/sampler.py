@@ -1,7 +1,8 @@
-"""Turn logits into tokens: logits processors (grammar masks, min_tokens, logit bias,
-penalties), then greedy, or temperature, min-p, top-k, top-p with per-request seeds.
+"""Turn logits into tokens: logits processors (grammar masks, allowed token ids,
+min_tokens, logit bias, penalties), then greedy, or temperature, min-p, top-k, top-p with
+per-request seeds.
 
-The processors run in vLLM's order: the structured-output mask, min_tokens, logit_bias,
+The processors run in vLLM's order: the structured-output mask, allowed_token_ids, min_tokens, logit_bias,
 repetition / frequency / presence penalties; then temperature and min-p. Logprobs are
 those of the model's raw distribution, before any of them, as vLLM reports by default.
 """
@@ -17,7 +18,7 @@ from headwise.engine.sequence import Sequence
 
 @dataclass
 class SampleResult:
-    token: int
+    token: int | None  # None: the processors left no token to sample (a grammar and allowed_token_ids)
     logprob: float | None  # None unless the request asks for logprobs
     top_logprobs: dict[int, float] | None
 
@@ -35,6 +36,9 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: "set[int] | froz
     greedy = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
+        if p.allowed_token_ids is not None and seq.matcher is not None and logits[i].max() == float("-inf"):
+            results.append(SampleResult(None, None, None))
+            continue
         if p.greedy:
             tok = greedy[i]
         else:
@@ -51,7 +55,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: "set[int] | froz
 
 def _processed(seq: Sequence) -> bool:
     p = seq.params
-    return (seq.matcher is not None or bool(p.logit_bias) or p.penalised
+    return (seq.matcher is not None or bool(p.logit_bias) or p.penalised or p.allowed_token_ids is not None
             or len(seq.output_token_ids) < p.min_tokens)
 
 
@@ -63,6 +67,10 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: Gramm
         grammar.mask(logits, rows, [seqs[i].matcher for i in rows])
     for i, seq in enumerate(seqs):
         p, x = seq.params, logits[i]
+        if p.allowed_token_ids is not None:
+            keep = x[p.allowed_token_ids]  # [len(allowed)], read before the row is masked
+            x.fill_(float("-inf"))
+            x[p.allowed_token_ids] = keep
         # A grammar that is complete allows only its end; that wins over min_tokens.
         if len(seq.output_token_ids) < p.min_tokens and not (seq.matcher is not None and seq.matcher.is_accepting()):
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))

@@ -8,12 +8,14 @@ import time
 import uuid
 from typing import Any, AsyncIterator
 
+import jinja2
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+import headwise
 from headwise.engine.llm_engine import LLMEngine, PromptTooLongError, check_params
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import protocol as P
@@ -22,6 +24,7 @@ from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
 from headwise.server.choices import Choices
 from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
+from headwise.tokenizer import ChatOptions
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
 DEFAULT_MAX_REQUEST_BYTES = 4 << 20
@@ -75,6 +78,10 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         ok, body = await aeng.health()
         return JSONResponse(body, status_code=200 if ok else 503)
 
+    @app.get("/version")
+    async def version():
+        return {"version": headwise.__version__}
+
     @app.get("/metrics")
     async def metrics():
         return Response(await aeng.metrics_text(), media_type="text/plain; version=0.0.4")
@@ -100,18 +107,30 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                              f"{model.max_model_len} tokens can have; shorten it", param,
                              "context_length_exceeded")
 
-    async def _chat_ids(messages: list[P.ChatMessage]) -> list[int]:
+    async def _chat_ids(messages: list[P.ChatMessage], options: ChatOptions | None = None) -> list[int]:
         msgs = P.chat_messages(messages)
         _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
         try:
-            return await asyncio.to_thread(tok.encode_chat, msgs)
-        except ValueError as e:  # no chat template
+            return await asyncio.to_thread(tok.encode_chat, msgs, options)
+        except ValueError as e:  # no chat template; a final message that cannot be continued
             raise P.bad(str(e), "messages") from None
+        except jinja2.TemplateError as e:  # the template refused the conversation (raise_exception)
+            raise P.bad(f"the chat template refused the messages: {e}", "messages") from None
+
+    def _truncated(ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (truncate_prompt_tokens; -1: the context length)."""
+        if keep is None:
+            return ids
+        if keep > model.max_model_len:
+            raise P.bad(f"truncate_prompt_tokens ({keep}) is more than the model's context length "
+                        f"({model.max_model_len})", "truncate_prompt_tokens")
+        keep = model.max_model_len if keep == -1 else keep
+        return ids[-keep:]
 
     @api.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
         if req.messages is not None:
-            ids = await _chat_ids(req.messages)
+            ids = await _chat_ids(req.messages, P.chat_options(req))
         elif req.prompt is not None:
             _refuse_long_text(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
@@ -208,7 +227,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 "total_tokens": first.num_prompt_tokens + out,
                 "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
-    async def _stream(choices: Choices, chat: bool, include_usage: bool, want_lp: bool) -> AsyncIterator[str]:
+    async def _stream(choices: Choices, chat: bool, include_usage: bool, want_lp: bool,
+                      echo: str) -> AsyncIterator[str]:
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": choices.request_id, "object": obj, "created": int(time.time()), "model": name}
 
@@ -225,6 +245,10 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 for i in range(choices.n):
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
+            if echo:
+                for i in range(choices.n):
+                    yield chunk({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
+                                if chat else {"index": i, "text": echo, "logprobs": None, "finish_reason": None})
             try:
                 async for i, u in choices.updates():
                     if u.error:
@@ -253,18 +277,19 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             if not finished:  # the client went away mid-stream
                 choices.abort()
 
-    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool):
+    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str = ""):
+        """`echo`: text that leads every choice's reply (the request's `echo`)."""
         choices = await _start(ids, req, chat)
         want_lp = req.params.logprobs is not None
         if req.stream:
-            return StreamingResponse(_stream(choices, chat, req.include_usage, want_lp),
+            return StreamingResponse(_stream(choices, chat, req.include_usage, want_lp, echo),
                                      media_type="text/event-stream")
         per_choice = await _collect(request, choices)
         if per_choice is None:
             return Response(status_code=499)  # the client is gone
         out = []
         for i, upds in enumerate(per_choice):
-            text = "".join(u.text for u in upds)
+            text = echo + "".join(u.text for u in upds)
             if chat:
                 choice = {"index": i, "message": {"role": "assistant", "content": text},
                           "logprobs": _chat_logprobs(upds) if want_lp else None}
@@ -283,10 +308,16 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         gen = P.generation(req, chat=False, default_max_tokens=16)
         _check_model(gen)
         prompt = P.completion_prompt(req)
+        ids = prompt
         if isinstance(prompt, str):
             _refuse_long_text(len(prompt), "prompt")
-            prompt = await asyncio.to_thread(tok.encode, prompt)
-        return await _respond(request, prompt, gen, chat=False)
+            ids = await asyncio.to_thread(tok.encode, prompt)
+        kept = _truncated(ids, gen.truncate_prompt_tokens)
+        echo = ""
+        if gen.echo:  # the prompt as sent, or as decoded where it was token ids or was truncated
+            same = isinstance(prompt, str) and len(kept) == len(ids)
+            echo = prompt if same else tok.decode(kept, skip_special_tokens=gen.params.skip_special_tokens)
+        return await _respond(request, kept, gen, chat=False, echo=echo)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": P.ChatCompletionResponse,
@@ -294,7 +325,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         gen = P.generation(req, chat=True, default_max_tokens=None)
         _check_model(gen)
-        return await _respond(request, await _chat_ids(req.messages), gen, chat=True)
+        ids = _truncated(await _chat_ids(req.messages, P.chat_options(req)), gen.truncate_prompt_tokens)
+        return await _respond(request, ids, gen, chat=True, echo=P.chat_echo(req))
 
     app.include_router(api)
     return app

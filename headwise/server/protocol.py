@@ -6,7 +6,7 @@ Types are strict, as OpenAI's API is: a boolean is not an integer, a string is n
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
 vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
 support are refused by name when they would change the output (UNSUPPORTED: tools,
-best_of, echo, suffix, batched prompts, ...); the ones that change nothing here
+best_of, suffix, batched prompts, ...); the ones that change nothing here
 (IGNORED) are accepted and ignored. docs/api.md lists both.
 """
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 from headwise.errors import InvalidParameterError
 from headwise.sampling import MAX_N, REPETITION_PENALTY, SamplingParams
 from headwise.structured import StructuredOutputs
+from headwise.tokenizer import ChatOptions
 
 
 class APIError(Exception):
@@ -91,10 +92,10 @@ class StructuredOutputsRequest(_Model):
 # hold anything but their default (the second element).
 UNSUPPORTED: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
-    "prediction": None, "web_search_options": None, "prompt_logprobs": None, "allowed_token_ids": None,
-    "bad_words": None, "include_stop_str_in_output": False, "use_beam_search": False,
-    "truncate_prompt_tokens": None, "skip_special_tokens": True, "chat_template": None,
-    "chat_template_kwargs": None, "continue_final_message": False, "add_generation_prompt": True,
+    "prediction": None, "web_search_options": None, "prompt_logprobs": None, "bad_words": None,
+    "use_beam_search": False,
+    # A template from the request runs on the server; vLLM too takes one only when told to trust it.
+    "chat_template": None,
 }
 # Accepted and ignored: they change nothing this server computes (vLLM ignores them too).
 IGNORED = ("user", "store", "metadata", "service_tier", "parallel_tool_calls", "guided_decoding_backend",
@@ -128,6 +129,13 @@ class _SamplingRequest(_Model):
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: StrictStr | None = None
+    allowed_token_ids: list[Annotated[int, Field(strict=True, ge=0)]] | None = Field(
+        None, min_length=1, description="only these token ids may be sampled")
+    include_stop_str_in_output: StrictBool = Field(False, description="keep the matched stop string (or stop "
+                                                                      "token's text) at the end of the output")
+    skip_special_tokens: StrictBool = True
+    truncate_prompt_tokens: StrictInt | None = Field(
+        None, ge=-1, description="keep only the prompt's last k tokens (-1: the model's context length)")
     # Declared so that they can be refused by name (UNSUPPORTED), not silently dropped.
     tools: Any = None
     tool_choice: Any = None
@@ -137,16 +145,9 @@ class _SamplingRequest(_Model):
     prediction: Any = None
     web_search_options: Any = None
     prompt_logprobs: Any = None
-    allowed_token_ids: Any = None
     bad_words: Any = None
-    include_stop_str_in_output: Any = False
     use_beam_search: Any = False
-    truncate_prompt_tokens: Any = None
-    skip_special_tokens: Any = True
     chat_template: Any = None
-    chat_template_kwargs: Any = None
-    continue_final_message: Any = False
-    add_generation_prompt: Any = True
 
 
 class CompletionRequest(_SamplingRequest):
@@ -173,6 +174,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: StrictInt | None = Field(None, ge=1)
     logprobs: StrictBool = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=20)
+    add_generation_prompt: StrictBool = Field(True, description="end the prompt with the assistant's turn opened")
+    continue_final_message: StrictBool = Field(False, description="continue the last (assistant) message; "
+                                                                  "needs add_generation_prompt=false")
+    chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template")
+    echo: StrictBool = Field(False, description="start the reply with the last message's content when the "
+                                                "reply continues that message's role (vLLM)")
 
 
 class TokenizeRequest(_Model):
@@ -180,6 +187,10 @@ class TokenizeRequest(_Model):
     prompt: StrictStr | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: StrictBool = True
+    # With messages, as on chat requests:
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
 class DetokenizeRequest(_Model):
@@ -269,6 +280,8 @@ class GenerationRequest:
     stream: bool
     include_usage: bool
     max_tokens_given: bool
+    echo: bool = False                        # the prompt (completions) or last message (chat) leads the reply
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: the context length
 
 
 def structured_outputs(req: CompletionRequest | ChatCompletionRequest) -> StructuredOutputs | None:
@@ -323,8 +336,9 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad("best_of other than n is not supported (as in vLLM's v1 engine)", "best_of",
                       "unsupported_parameter")
-        if req.echo:
-            raise bad("echo is not supported", "echo", "unsupported_parameter")
+        if req.echo and req.logprobs is not None:
+            raise bad("echo with logprobs needs the prompt's logprobs, which this server does not compute",
+                      "echo", "unsupported_parameter")
         if req.suffix:
             raise bad("suffix is not supported", "suffix", "unsupported_parameter")
     name, max_tokens = "max_tokens", req.max_tokens
@@ -351,7 +365,8 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
         logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
-        structured_outputs=structured_outputs(req),
+        structured_outputs=structured_outputs(req), allowed_token_ids=req.allowed_token_ids,
+        include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
     )
     try:
         params = SamplingParams(**kwargs)
@@ -359,7 +374,28 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         param = name if e.param == "max_tokens" else e.param
         raise bad(str(e).replace(e.param, param, 1), param) from None
     include_usage = req.stream_options.include_usage if req.stream_options else False
-    return GenerationRequest(req.model, params, req.stream, include_usage, given)
+    if req.truncate_prompt_tokens == 0:
+        raise bad("truncate_prompt_tokens must be -1 (the context length) or at least 1", "truncate_prompt_tokens")
+    return GenerationRequest(req.model, params, req.stream, include_usage, given, req.echo,
+                             req.truncate_prompt_tokens)
+
+
+def chat_options(req: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
+    try:
+        return ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {})
+    except InvalidParameterError as e:
+        raise bad(str(e), e.param) from None
+
+
+def chat_echo(req: ChatCompletionRequest) -> str:
+    """What `echo` puts before a chat reply: the last message's content where the reply
+    continues its role (the assistant's, or the last message's own without
+    add_generation_prompt), as vLLM does."""
+    if not req.echo:
+        return ""
+    last = chat_messages(req.messages[-1:])[0]
+    role = "assistant" if req.add_generation_prompt else last["role"]
+    return last["content"] if last["role"] == role else ""
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
