@@ -49,6 +49,9 @@ class RequestOutput:
     num_preemptions: int
     num_cached_tokens: int          # prompt tokens served from the prefix cache (first choice)
     outputs: list[CompletionOutput]
+    # With SamplingParams.prompt_logprobs (vLLM's form): per prompt token, None for the
+    # first, else {its id: its logprob given the tokens before it} plus the top k there.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
     def from_seqs(cls, seqs: list[Sequence]) -> "RequestOutput":
@@ -60,7 +63,7 @@ class RequestOutput:
             token_ids=o.token_ids, finish_reason=o.finish_reason, logprobs=o.logprobs,
             top_logprobs=o.top_logprobs, ttft_s=first.ttft_s, latency_s=first.latency_s,
             num_preemptions=sum(s.num_preemptions for s in seqs), num_cached_tokens=o.num_cached_tokens,
-            outputs=outputs,
+            outputs=outputs, prompt_logprobs=None if first.prompt_logprobs is None else list(first.prompt_logprobs),
         )
 
 

@@ -42,6 +42,10 @@ class SamplingParams:
     # (vLLM's semantics: by default neither is in it).
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True  # special tokens left out of the output text
+    # Log-probabilities of the prompt's tokens (each given the ones before it) plus the top
+    # k at each position (vLLM's prompt_logprobs); None: not computed. Such a request
+    # computes its whole prompt: a cached prefix has no logits to give.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -66,8 +70,11 @@ class SamplingParams:
             ("seed", self.seed is None or (isinstance(self.seed, int) and not isinstance(self.seed, bool)
                                            and -(1 << 63) <= self.seed < (1 << 64)),
              f"must be an integer that fits 64 bits, got {self.seed!r}"),
-            ("logprobs", self.logprobs is None or (isinstance(self.logprobs, int) and 0 <= self.logprobs <= 20),
+            ("logprobs", self.logprobs is None or (_is_int(self.logprobs) and 0 <= self.logprobs <= 20),
              f"must be an integer in [0, 20], got {self.logprobs!r}"),
+            ("prompt_logprobs", self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                                 and 0 <= self.prompt_logprobs <= 20),
+             f"must be an integer in [0, 20], got {self.prompt_logprobs!r}"),
             ("stop", all(isinstance(s, str) and s for s in self.stop),
              "must be a non-empty string or a list of non-empty strings"),
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
@@ -107,9 +114,10 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     def for_choice(self, i: int) -> "SamplingParams":
-        """Choice i's own params (n = 1; seed + i when seeded, so the choices differ)."""
+        """Choice i's own params (n = 1; seed + i when seeded, so the choices differ). The
+        prompt's logprobs are computed by choice 0 only (the others use its cached prefix)."""
         seed = self.seed if self.seed is None or i == 0 else (self.seed + i) % (1 << 64)
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
 
 
 def _is_int(x) -> bool:

@@ -201,6 +201,31 @@ def _check_books(cache, running):
         assert len({ring.slot_of[s.seq_id] for s in running}) == len(running)
 
 
+def test_prompt_logprobs_compute_the_whole_prompt_and_share_it_after(tiny_models):
+    """A request for its prompt's logprobs takes no cached prefix (a hit has no logits), is
+    scored in chunks beside other requests exactly as the scoring path scores it alone, and
+    leaves its blocks and window states for the requests after it."""
+    cached, plain = _pair(str(tiny_models["llama"]), "mixed", max_num_batched_tokens=16)
+    tok = cached.tokenizer
+    doc = tok.encode("A report on rivers, bridges and the towns between them. " * 4)
+    ids = doc + tok.encode(" Which town?", add_special_tokens=False)
+    cached.generate([doc + [5, 6, 7]], GREEDY, use_tqdm=False)  # the document is cached now
+    other = tok.encode("Something else entirely, to share the steps with.")
+    scored, _ = cached.generate([ids, other], [SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=3),
+                                               GREEDY], use_tqdm=False)
+    assert scored.num_cached_tokens == 0 and scored.prompt_logprobs[0] is None
+    want = plain.engine.prompt_logprobs(ids, chunk_size=len(ids))  # [T - 1], one chunk, alone
+    got = torch.tensor([scored.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    for p in range(1, len(ids)):
+        top = list(scored.prompt_logprobs[p].items())
+        assert len(top) in (3, 4) and [v for _, v in top[:3]] == sorted((v for _, v in top[:3]), reverse=True)
+        assert top[0][1] >= scored.prompt_logprobs[p][ids[p]]
+    after = cached.generate([ids], GREEDY, use_tqdm=False)[0]
+    assert after.num_cached_tokens >= len(doc) - 4  # its blocks, whole ones, serve the next request
+    _same(after, plain.generate([ids], GREEDY, use_tqdm=False)[0])
+
+
 @pytest.mark.parametrize("kind", ["full", "mixed", "window"])
 def test_random_requests_keep_exact_books(kind):
     """Hundreds of requests sharing prefixes, finishing, aborting and preempted under a

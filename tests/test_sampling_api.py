@@ -36,7 +36,8 @@ def _seq(out=(), prompt=(1, 2), **params) -> Sequence:
     ({"n": 0}, "n"), ({"n": True}, "n"), ({"structured_outputs": {"json": {}}}, "structured_outputs"),
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": 5}, "allowed_token_ids"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
-    ({"skip_special_tokens": "no"}, "skip_special_tokens"),
+    ({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"),
 ])
 def test_bad_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
@@ -274,6 +275,16 @@ def test_chat_continues_the_final_message(default_llm):
     with pytest.raises(InvalidParameterError) as e:
         default_llm.chat(conv, chat_template_kwargs={"messages": []})
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_prompt_logprobs_of_choice_0_only(default_llm):
+    ids = default_llm.tokenizer.encode("The capital of France is Paris, and the capital of Italy is Rome. " * 3)
+    out = default_llm.generate([ids], SamplingParams(max_tokens=3, n=3, temperature=1.0, seed=1, prompt_logprobs=1))[0]
+    want = default_llm.engine.prompt_logprobs(ids)
+    got = torch.tensor([out.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+    assert out.outputs[1].num_cached_tokens > 0  # the other choices used its prompt's blocks
+    assert SamplingParams(prompt_logprobs=2).for_choice(1).prompt_logprobs is None
 
 
 def test_engine_refuses_out_of_vocabulary_bias(default_llm):

@@ -76,7 +76,9 @@ def _client(url):
     return OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
 
 
-def _metric(url: str, name: str, **labels) -> float:
+def _metric(url: str, name: str, missing: float | None = None, **labels) -> float:
+    """The metric's value (summed over its series); `missing` where it has none yet (a
+    counter no request has touched), else a missing metric fails the test."""
     text = httpx.get(f"{url}/metrics").text
     total = 0.0
     found = False
@@ -86,6 +88,8 @@ def _metric(url: str, name: str, **labels) -> float:
             if rest[:1] in ("{", " "):
                 total += float(line.rsplit(" ", 1)[1])
                 found = True
+    if not found and missing is not None:
+        return missing
     assert found, f"metric {name} {labels} missing"
     return total
 
@@ -155,7 +159,7 @@ def test_32_concurrent_streams(server, offline):
 
         return await asyncio.gather(*(one(p, n) for p, n in zip(prompts, lengths)))
 
-    before = _metric(url, "headwise:request_success_total")
+    before = _metric(url, "headwise:request_success_total", missing=0.0)  # none yet when run alone
     outs = asyncio.run(main())
     assert outs == refs
     _wait_idle(url)

@@ -221,8 +221,6 @@ def test_completion_echo_and_prompt_truncation(server):
     ids = httpx.post(f"{server}/tokenize", json={"prompt": "1, 2, 3,"}).json()["tokens"]
     by_ids = _complete(server, prompt=ids, max_tokens=3, temperature=0, echo=True).json()
     assert by_ids["choices"][0]["text"] == echoed["choices"][0]["text"]
-    r = _complete(server, prompt="1, 2, 3,", max_tokens=3, echo=True, logprobs=1)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "echo"
     # the prompt's last k tokens only: as if they had been sent alone
     long = "Paris is the capital of France. " * 8 + "1, 2, 3,"
     tail = _complete(server, prompt=long, max_tokens=3, temperature=0, truncate_prompt_tokens=len(ids)).json()
@@ -234,3 +232,43 @@ def test_version(server):
     import headwise
 
     assert httpx.get(f"{server}/version").json() == {"version": headwise.__version__}
+
+
+def test_scoring_a_prompt_with_echo_and_prompt_logprobs(server):
+    """How scoring clients (lm-eval's loglikelihood) ask: max_tokens 0, echo, logprobs."""
+    prompt = "The capital of France is Paris"
+    r = _complete(server, prompt=prompt, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"] == prompt and "".join(lp["tokens"]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(v < 0 for v in lp["token_logprobs"][1:])
+    assert r.json()["usage"]["completion_tokens"] == 0
+    for tokstr, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]):
+        assert tokstr in top and top[tokstr] == v and max(top.values()) >= v and len(top) in (2, 3)
+    # vLLM's own field gives the same numbers, with ranks
+    pl = _complete(server, prompt=prompt, max_tokens=1, prompt_logprobs=2, temperature=0).json()["choices"][0]
+    ids = httpx.post(f"{server}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    assert pl["prompt_logprobs"][0] is None and len(pl["prompt_logprobs"]) == len(ids)
+    for p in range(1, len(ids)):
+        mine = pl["prompt_logprobs"][p][str(ids[p])]
+        assert abs(mine["logprob"] - lp["token_logprobs"][p]) < 1e-3
+        assert (mine["rank"] == 1) == (mine["logprob"] >= max(e["logprob"] for e in pl["prompt_logprobs"][p].values()))
+    # streamed: the same prompt part first, then a last chunk with nothing generated
+    chunks = []
+    with httpx.stream("POST", f"{server}/v1/completions", timeout=120,
+                      json={"prompt": prompt, "max_tokens": 0, "echo": True, "logprobs": 2, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert chunks[0]["choices"][0]["text"] == prompt
+    assert chunks[0]["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"]
+    assert [c["choices"][0]["text"] for c in chunks[1:]] == [""] and chunks[-1]["choices"][0]["finish_reason"]
+    # echo with logprobs and generated tokens: the prompt's part, then the generated part
+    gen = _complete(server, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0).json()["choices"][0]
+    alone = _complete(server, prompt=prompt, max_tokens=3, logprobs=1, temperature=0).json()["choices"][0]
+    assert gen["text"] == prompt + alone["text"]
+    assert gen["logprobs"]["tokens"] == lp["tokens"] + alone["logprobs"]["tokens"]
+    chat = _chat(server, max_tokens=1, prompt_logprobs=0).json()
+    assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
+    r = _complete(server, prompt=prompt, max_tokens=0)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"

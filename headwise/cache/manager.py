@@ -106,20 +106,22 @@ class KVCacheManager:
         return self.paged.active
 
     # ---- prefix cache ---------------------------------------------------------------
-    def match_prefix(self, token_ids: list[int], use_tier: bool = True) -> PrefixHit:
+    def match_prefix(self, token_ids: list[int], use_tier: bool = True, reuse: bool = True) -> PrefixHit:
         """The longest cached prefix of a new sequence's tokens (block-aligned, leaving at
         least one token to compute) and the snapshot points planned for it. With a disk
         tier, the prefix may go on there: a hit that needs entries not yet read comes back
         `pending` (they are being read); one that fails to read or verify is dropped, and
-        the prefix found in memory is used instead."""
+        the prefix found in memory is used instead. reuse=False: an empty hit with its
+        snapshot points planned, for a request that computes its whole prompt (its
+        prompt's logprobs); its blocks and window states are offered to later ones."""
         P, bs = len(token_ids), self.block_size
         if not self.caching:
             return PrefixHit(num_prompt=P)
         max_blocks = (P - 1) // bs
         hashes = block_hashes(self._root, token_ids[: max_blocks * bs], bs)
-        blocks = self.index.cached_blocks(hashes) if self.paged.active else []
-        n = len(blocks) if self.paged.active else max_blocks
-        link = self._tier_link if use_tier else None
+        blocks = self.index.cached_blocks(hashes) if self.paged.active and reuse else []
+        n = len(blocks) if self.paged.active or not reuse else max_blocks
+        link = self._tier_link if use_tier and reuse else None
         if link is not None and self.paged.active:  # the chain may go on in the disk tier
             n = link.extend_chain(hashes, n, max_blocks)
         reach = n * bs  # how far the cached full blocks go

@@ -12,7 +12,7 @@ from headwise.cache.manager import KVCacheManager
 from headwise.cache.prefix_cache import PrefixStats
 from headwise.cache.spec import KVClassSpec
 from headwise.config import ConfigError, EngineConfig
-from headwise.engine.model_runner import ModelRunner
+from headwise.engine.model_runner import ModelRunner, PromptScores
 from headwise.engine.sampler import sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
@@ -58,6 +58,19 @@ def check_params(params: SamplingParams, vocab_size: int) -> None:
         if far:
             raise InvalidParameterError(name, f"{name}: token id {far[0]} is outside the vocabulary "
                                         f"(size {vocab_size})")
+
+
+def _store_prompt_scores(sc: PromptScores) -> None:
+    """Into sc.seq.prompt_logprobs: per prompt position, the token's own logprob and the top k
+    (a recomputation after preemption writes the same positions again)."""
+    table = sc.seq.prompt_logprobs
+    tok = sc.seq.prompt_token_ids
+    for i, lp in enumerate(sc.chosen):
+        p = sc.first + i
+        entry = dict(zip(sc.top_ids[i], sc.top_values[i])) if sc.top_ids else {}
+        entry[tok[p]] = lp
+        table[p] = entry
+        sc.seq.prompt_ranks[p] = sc.ranks[i]
 
 
 def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
@@ -235,14 +248,17 @@ class LLMEngine:
             if self.cache.tier is not None:  # maybe a prefix on its way back from disk
                 self.cache.tier.wait_for_reads(0.05)
             return []
-        logits, seqs = self.runner.run(out.scheduled)
+        step = self.runner.run(out.scheduled)
         for seq, n in out.scheduled:
             seq.num_computed_tokens += n
             self.cache.commit(seq.seq_id, seq.token_ids, seq.num_computed_tokens)
         self._run_cache_copies()  # window-state snapshots planned at this step's ends
+        for sc in step.prompt_scores:
+            _store_prompt_scores(sc)
+        seqs = step.seqs
         if not seqs:
             return []
-        results = sample(logits, seqs, self.eos_ids, self.grammar)
+        results = sample(step.logits, seqs, self.eos_ids, self.grammar)
         now = time.perf_counter()
         for seq, r in zip(seqs, results):
             self._append(seq, r, now)
@@ -357,7 +373,7 @@ class LLMEngine:
                 self.cache.append(seq.seq_id, start + n)
                 self._run_cache_copies()  # pages it took may hold evicted prefixes for the disk tier
                 rows = [p - start for p in wanted if start <= p < start + n]
-                logits, _ = self.runner.run([(seq, n)], logit_rows=rows)
+                logits = self.runner.run([(seq, n)], logit_rows=rows).logits
                 seq.num_computed_tokens += n
                 yield logits
         finally:

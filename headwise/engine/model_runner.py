@@ -2,6 +2,8 @@
 output and the cache manager's plain data, and runs the model."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from headwise.cache.manager import KVCacheManager
@@ -14,6 +16,31 @@ from headwise.heads.base import head_class
 from headwise.layers.backend import attention_backend
 from headwise.layers.context import PrefillChunk, StepContext, step_context
 from headwise.models.causal_lm import CausalLM
+
+
+# Most logits of prompt tokens made at once when scoring a prompt (prompt_logprobs): a
+# 2048-token chunk of a 152K vocabulary would be 1.2 GB of float32 in one piece.
+SCORE_ELEMENTS = 1 << 25
+
+
+@dataclass
+class PromptScores:
+    """Log-probabilities of prompt tokens `first`, `first` + 1, ... of `seq` (each given the
+    tokens before it), computed in one step's prefill chunk: `chosen` [n] of the tokens
+    themselves, with their `ranks` (1: the most likely), and the top k ids and values."""
+    seq: Sequence
+    first: int
+    chosen: list[float]
+    ranks: list[int]
+    top_ids: list[list[int]]
+    top_values: list[list[float]]
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor                 # [S, V] float32 on the CPU: one row per sampling sequence
+    seqs: list[Sequence]                 # those sequences
+    prompt_scores: list[PromptScores]    # for the chunks of sequences with prompt_logprobs
 
 
 class ModelRunner:
@@ -79,15 +106,15 @@ class ModelRunner:
             else:
                 self.kv.write_pages(op.pages, op.data.to(self.device))
 
-    def run(self, scheduled: list[tuple[Sequence, int]],
-            logit_rows: list[int] | None = None) -> tuple[torch.Tensor, list[Sequence]]:
-        """Run one step; returns logits [S, V] (float32, on the CPU) for the sequences that
-        sample, and those.
+    def run(self, scheduled: list[tuple[Sequence, int]], logit_rows: list[int] | None = None) -> StepOutput:
+        """Run one step: logits for the sequences that sample, and the prompt tokens'
+        log-probabilities of the chunks whose sequences ask for them.
 
         With logit_rows, the logits of those tokens of the step come back instead (rows in
         the step's token order, decodes first); used by evaluation (perplexity) and tests."""
-        ctx, ids, sampling_rows, sampling_seqs = self._context(scheduled)
+        ctx, ids, sampling_rows, sampling_seqs, scored = self._context(scheduled)
         dev = self.device
+        scores = []
         with step_context(ctx):
             rows = torch.tensor(sampling_rows if logit_rows is None else logit_rows,
                                 dtype=torch.int64, device=dev)
@@ -95,9 +122,34 @@ class ModelRunner:
             if logit_rows is None and self.graphs is not None and self.graphs.applies(ctx):
                 with torch.inference_mode():  # every decode row samples: rows are 0..B-1
                     logits = self.model.logits(self.graphs.replay(ctx, ids), rows)
+            elif scored:
+                with torch.inference_mode():
+                    hidden = self.forward.hidden_states(ids, ctx.positions)
+                    logits = self.model.logits(hidden, rows)
+                    scores = [self._score(hidden, *chunk) for chunk in scored]
             else:
                 logits = self.forward(ids, ctx.positions, rows)
-        return logits.float().cpu(), sampling_seqs
+        return StepOutput(logits.float().cpu(), sampling_seqs, scores)
+
+    def _score(self, hidden: torch.Tensor, seq: Sequence, offset: int, start: int, n: int) -> PromptScores:
+        # hidden: [T, D], the step's final hidden states. The logits at chunk row i (position
+        # start + i) score prompt token start + i + 1; made SCORE_ELEMENTS at a time.
+        k = seq.params.prompt_logprobs
+        targets = torch.tensor(seq.prompt_token_ids[start + 1: start + 1 + n], dtype=torch.int64)
+        out = PromptScores(seq, start + 1, [], [], [], [])
+        step = max(1, SCORE_ELEMENTS // self.model.config.vocab_size)
+        for a in range(0, n, step):
+            b = min(n, a + step)
+            rows = torch.arange(offset + a, offset + b, device=hidden.device)
+            lp = torch.log_softmax(self.model.logits(hidden, rows), -1).cpu()  # [b - a, V] float32
+            chosen = lp.gather(1, targets[a:b, None])  # [b - a, 1]
+            out.chosen += chosen[:, 0].tolist()
+            out.ranks += ((lp > chosen).sum(1) + 1).tolist()
+            if k:
+                vals, idx = lp.topk(k, dim=1)
+                out.top_ids += idx.tolist()
+                out.top_values += vals.tolist()
+        return out
 
     def _context(self, scheduled: list[tuple[Sequence, int]]):
         # Decode entries (one generated token on top of cached context) go first and are
@@ -112,6 +164,7 @@ class ModelRunner:
         cache, dev, meta = self.cache, self.device, self.metadata
         ids, pos, slots, chunks = [], [], [], []
         sampling_rows, sampling_seqs = [], []
+        scored = []  # (seq, offset, start, n): prefill rows whose logits score the next prompt token
         offset = 0
         for i, (seq, n) in enumerate(decodes + prefills):
             start, sid = seq.num_computed_tokens, seq.seq_id
@@ -128,6 +181,8 @@ class ModelRunner:
                     ch.snapshots.append((slot, {kind: cls.ring_writes(start, point - start, kind.sink, kind.window, dev)
                                                 for kind, cls in self.ring_kinds}))
                 chunks.append(ch)
+                if seq.params.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1:
+                    scored.append((seq, offset, start, min(n, seq.num_prompt_tokens - 1 - start)))
             offset += n
             if start + n == seq.num_tokens:
                 sampling_rows.append(offset - 1)
@@ -150,4 +205,4 @@ class ModelRunner:
             tables = {kind: cls.rebased_tables(rotary, positions, kind.sink, kind.window)
                       for kind, cls in self.ring_kinds}
             ctx.sink_rope = {kind: t for kind, t in tables.items() if t is not None}
-        return ctx, ids, sampling_rows, sampling_seqs
+        return ctx, ids, sampling_rows, sampling_seqs, scored

@@ -114,8 +114,10 @@ class Scheduler:
         while (i < len(self.waiting) and budget > 0 and not out.preempted
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[i]
-            # A cached prefix is not computed again: the step starts after it.
-            hit = self.cache.match_prefix(seq.token_ids(0, seq.num_tokens))
+            # A cached prefix is not computed again: the step starts after it (unless the
+            # request wants the prompt's logprobs, which need its logits).
+            hit = self.cache.match_prefix(seq.token_ids(0, seq.num_tokens),
+                                          reuse=seq.params.prompt_logprobs is None)
             if hit.pending:
                 i += 1
                 continue

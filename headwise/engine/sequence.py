@@ -36,6 +36,14 @@ class Sequence:
         self.error: str | None = None  # why the request failed (finish_reason "abort"), if it did
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
+        # With params.prompt_logprobs: entry p is {prompt token p: its logprob given the
+        # tokens before it} plus the top k there; entry 0 stays None (nothing precedes it).
+        # prompt_ranks[p]: that token's rank there (1: the most likely).
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_ranks: list[int | None] | None = None
+        if params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None] * len(self.prompt_token_ids)
+            self.prompt_ranks = [None] * len(self.prompt_token_ids)
         self.output_text = ""
         self.detokenizer = None  # an IncrementalDetokenizer, made by the engine on the first token
         # An llguidance matcher when the request asks for structured outputs (engine/grammar.py).

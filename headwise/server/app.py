@@ -219,87 +219,178 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             choices.abort()
             raise
 
-    def _total_usage(lasts: list[Update]) -> dict:
+    def _total_usage(lasts: list[Update], prompt_only: bool = False) -> dict:
         # The prompt counts once for all choices (it is computed once), as OpenAI counts it.
-        out = sum(u.num_output_tokens for u in lasts)
+        out = 0 if prompt_only else sum(u.num_output_tokens for u in lasts)
         first = lasts[0]
         return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": out,
                 "total_tokens": first.num_prompt_tokens + out,
                 "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
 
-    async def _stream(choices: Choices, chat: bool, include_usage: bool, want_lp: bool,
-                      echo: str) -> AsyncIterator[str]:
+    def _prompt_logprobs(ids: list[int], u0: Update) -> list[dict | None]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {"<id>": {logprob,
+        rank, decoded_token}} for the token itself and the top k there."""
+        out: list[dict | None] = []
+        for p, entry in enumerate(u0.prompt_logprobs):
+            if entry is None:
+                out.append(None)
+                continue
+            # The top k come first, in order; the prompt's own token last where not among them.
+            out.append({str(t): {"logprob": v, "rank": u0.prompt_ranks[p] if t == ids[p] else r + 1,
+                                 "decoded_token": tok.decode([t], skip_special_tokens=False)}
+                        for r, (t, v) in enumerate(entry.items())})
+        return out
+
+    def _echo_logprobs(ids: list[int], u0: Update, k: int) -> dict:
+        """The echoed prompt's part of a completion's `logprobs` (OpenAI's legacy form): its
+        tokens, their logprobs (None for the first), and the top k at each."""
+        toks = [tok.decode([t], skip_special_tokens=False) for t in ids]
+        lps = [None] + [u0.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))]
+        tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in u0.prompt_logprobs[p].items()}
+                         for p in range(1, len(ids))]
+        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops if k else None, "text_offset": None}
+
+    def _joined(a: dict, b: dict) -> dict:
+        # two completion logprobs objects, one after the other
+        tops = None if a["top_logprobs"] is None and b["top_logprobs"] is None else \
+            (a["top_logprobs"] or []) + (b["top_logprobs"] or [])
+        return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
+                "top_logprobs": tops, "text_offset": None}
+
+    class _Reply:
+        """How a request's choices are written: what leads each (`echo`, and on completions
+        the echoed prompt's logprobs), whether the generated part is shown (max_tokens 0
+        with echo: it is not), and the prompt's logprobs in vLLM's form where asked for.
+        The prompt's logprobs come with choice 0's first update."""
+
+        def __init__(self, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str, asked_prompt_lp: bool):
+            self.ids, self.chat, self.echo = ids, chat, echo
+            self.want_lp = req.params.logprobs is not None
+            self.k = req.params.logprobs or 0
+            self.echo_lp = not chat and bool(echo) and self.want_lp
+            self.prompt_only = req.prompt_only
+            self.asked_prompt_lp = asked_prompt_lp
+            self.first: Update | None = None  # choice 0's first update (the prompt's logprobs)
+
+        def see(self, i: int, u: Update) -> None:
+            if i == 0 and self.first is None and u.prompt_logprobs is not None:
+                self.first = u
+
+        def lead(self) -> tuple[str, dict | None]:
+            """The text and (completions) logprobs that start a choice."""
+            lp = _echo_logprobs(self.ids, self.first, self.k) if self.echo_lp and self.first else None
+            return self.echo, lp
+
+        def prompt_field(self) -> list | None:
+            return _prompt_logprobs(self.ids, self.first) if self.asked_prompt_lp and self.first else None
+
+        def body(self, upds: list[Update]) -> tuple[str, dict | None]:
+            """A choice's generated text and logprobs (none with prompt_only)."""
+            if self.prompt_only:
+                return "", ({"content": []} if self.chat else
+                            {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": None})
+            text = "".join(u.text for u in upds)
+            if not self.want_lp:
+                return text, None
+            return text, _chat_logprobs(upds) if self.chat else _completion_logprobs(upds)
+
+    async def _stream(choices: Choices, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
+        chat = reply.chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": choices.request_id, "object": obj, "created": int(time.time()), "model": name}
 
-        def chunk(choice: dict, usage: dict | None = None) -> str:
-            d = dict(base, choices=[choice] if choice else [])
+        def chunk(choice: dict, usage: dict | None = None, extra: dict | None = None) -> str:
+            d = dict(base, choices=[choice] if choice else [], **(extra or {}))
             if include_usage:
                 d["usage"] = usage
             return f"data: {json.dumps(d)}\n\n"
 
+        def piece(i: int, text: str, lp: dict | None, reason: str | None) -> dict:
+            if chat:
+                return {"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": reason}
+            return {"index": i, "text": text, "logprobs": lp, "finish_reason": reason}
+
         finished = False
         lasts: dict[int, Update] = {}
+        led: set[int] = set()
         try:
             if chat:
                 for i in range(choices.n):
                     yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                                  "finish_reason": None})
-            if echo:
-                for i in range(choices.n):
-                    yield chunk({"index": i, "delta": {"content": echo}, "logprobs": None, "finish_reason": None}
-                                if chat else {"index": i, "text": echo, "logprobs": None, "finish_reason": None})
             try:
                 async for i, u in choices.updates():
                     if u.error:
                         choices.abort()
                         yield f"data: {json.dumps(_engine_error(u).body())}\n\n"
                         break
-                    if u.text or u.token_ids or u.finished:
+                    reply.see(i, u)
+                    if i not in led:  # the echo, and the prompt's logprobs, before a choice's first tokens
+                        led.add(i)
+                        text, lp = reply.lead()
+                        prompt_lp = reply.prompt_field() if i == 0 else None
+                        if text or lp or prompt_lp is not None:
+                            c = piece(i, text, lp, None)
+                            extra = None
+                            if prompt_lp is not None:
+                                if chat:
+                                    extra = {"prompt_logprobs": prompt_lp}
+                                else:
+                                    c["prompt_logprobs"] = prompt_lp
+                            yield chunk(c, extra=extra)
+                    if reply.prompt_only:
+                        if u.finished:
+                            yield chunk(piece(i, "", None, u.finish_reason))
+                    elif u.text or u.token_ids or u.finished:
                         lp = None
-                        if want_lp and u.token_ids:
+                        if reply.want_lp and u.token_ids:
                             lp = _chat_logprobs([u]) if chat else _completion_logprobs([u])
-                        reason = u.finish_reason if u.finished else None
-                        if chat:
-                            delta = {"content": u.text} if u.text else {}
-                            yield chunk({"index": i, "delta": delta, "logprobs": lp, "finish_reason": reason})
-                        else:
-                            yield chunk({"index": i, "text": u.text, "logprobs": lp, "finish_reason": reason})
+                        yield chunk(piece(i, u.text, lp, u.finish_reason if u.finished else None))
                     if u.finished:
                         lasts[i] = u
             except P.APIError as e:  # a later choice was refused (queue full, shutdown)
                 yield f"data: {json.dumps(e.body())}\n\n"
             finished = True
             if include_usage and len(lasts) == choices.n:
-                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)]))
+                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)], reply.prompt_only))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
                 choices.abort()
 
-    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str = ""):
-        """`echo`: text that leads every choice's reply (the request's `echo`)."""
+    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str = "",
+                       asked_prompt_lp: bool = False):
+        """`echo`: text that leads every choice's reply (the request's `echo`);
+        asked_prompt_lp: the request's own prompt_logprobs (not only echo's need of them)."""
         choices = await _start(ids, req, chat)
-        want_lp = req.params.logprobs is not None
+        reply = _Reply(ids, req, chat, echo, asked_prompt_lp)
         if req.stream:
-            return StreamingResponse(_stream(choices, chat, req.include_usage, want_lp, echo),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_stream(choices, reply, req.include_usage), media_type="text/event-stream")
         per_choice = await _collect(request, choices)
         if per_choice is None:
             return Response(status_code=499)  # the client is gone
+        for u in per_choice[0]:
+            reply.see(0, u)
+        lead, lead_lp = reply.lead()
         out = []
         for i, upds in enumerate(per_choice):
-            text = echo + "".join(u.text for u in upds)
+            text, lp = reply.body(upds)
+            if lead_lp is not None:
+                lp = _joined(lead_lp, lp)
             if chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": text},
-                          "logprobs": _chat_logprobs(upds) if want_lp else None}
+                choice = {"index": i, "message": {"role": "assistant", "content": lead + text}, "logprobs": lp}
             else:
-                choice = {"index": i, "text": text, "logprobs": _completion_logprobs(upds) if want_lp else None}
+                choice = {"index": i, "text": lead + text, "logprobs": lp}
+                if asked_prompt_lp:
+                    choice["prompt_logprobs"] = reply.prompt_field()
             choice["finish_reason"] = upds[-1].finish_reason
             out.append(choice)
-        return {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
+        body = {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": out,
-                "usage": _total_usage([u[-1] for u in per_choice])}
+                "usage": _total_usage([u[-1] for u in per_choice], reply.prompt_only)}
+        if chat and asked_prompt_lp:
+            body["prompt_logprobs"] = reply.prompt_field()
+        return body
 
     @api.post("/v1/completions", response_model=None,
               responses={200: {"model": P.CompletionResponse,
@@ -317,7 +408,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         if gen.echo:  # the prompt as sent, or as decoded where it was token ids or was truncated
             same = isinstance(prompt, str) and len(kept) == len(ids)
             echo = prompt if same else tok.decode(kept, skip_special_tokens=gen.params.skip_special_tokens)
-        return await _respond(request, kept, gen, chat=False, echo=echo)
+        return await _respond(request, kept, gen, chat=False, echo=echo,
+                              asked_prompt_lp=req.prompt_logprobs is not None)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": P.ChatCompletionResponse,
@@ -326,7 +418,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         gen = P.generation(req, chat=True, default_max_tokens=None)
         _check_model(gen)
         ids = _truncated(await _chat_ids(req.messages, P.chat_options(req)), gen.truncate_prompt_tokens)
-        return await _respond(request, ids, gen, chat=True, echo=P.chat_echo(req))
+        return await _respond(request, ids, gen, chat=True, echo=P.chat_echo(req),
+                              asked_prompt_lp=req.prompt_logprobs is not None)
 
     app.include_router(api)
     return app

@@ -27,6 +27,7 @@ class _Handle(RequestStream):
         self.queue: asyncio.Queue[Update] = asyncio.Queue()
         self.sent_text = 0
         self.sent_tokens = 0
+        self.sent_prompt = False  # its prompt's logprobs (prompt_logprobs), sent with the first tokens
         # Text that might be the start of a stop string is held back until it is not.
         self.holdback = max((len(s) for s in seq.params.stop), default=1) - 1
 
@@ -175,6 +176,9 @@ class AsyncEngine(EngineClient):
         upd = Update(text[h.sent_text:end], seq.output_token_ids[h.sent_tokens:n_tok], lp, top, done,
                      seq.finish_reason, seq.error, seq.num_prompt_tokens, n_tok, seq.num_cached_tokens or 0,
                      error_status=400, error_code="structured_output_failed")
+        if not h.sent_prompt and seq.prompt_logprobs is not None and (n_tok or done):
+            upd.prompt_logprobs, upd.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
+            h.sent_prompt = True
         h.sent_text, h.sent_tokens = end, n_tok
         self._push(h, upd)
         if done:

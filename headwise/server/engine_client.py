@@ -32,6 +32,9 @@ class Update:
     num_cached_tokens: int = 0
     error_status: int = 500        # 503: the request was not the problem (shutdown, a lost replica)
     error_code: str | None = None  # the OpenAI envelope's `code`; None: derived from the status
+    # With prompt_logprobs, on a request's first update: Sequence.prompt_logprobs / prompt_ranks.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None
 
 
 class ShuttingDownError(RuntimeError):

@@ -92,7 +92,7 @@ class StructuredOutputsRequest(_Model):
 # hold anything but their default (the second element).
 UNSUPPORTED: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
-    "prediction": None, "web_search_options": None, "prompt_logprobs": None, "bad_words": None,
+    "prediction": None, "web_search_options": None, "bad_words": None,
     "use_beam_search": False,
     # A template from the request runs on the server; vLLM too takes one only when told to trust it.
     "chat_template": None,
@@ -136,6 +136,8 @@ class _SamplingRequest(_Model):
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (-1: the model's context length)")
+    prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="logprobs of the prompt's tokens, "
+                                                                         "with the top k at each (vLLM)")
     # Declared so that they can be refused by name (UNSUPPORTED), not silently dropped.
     tools: Any = None
     tool_choice: Any = None
@@ -144,7 +146,6 @@ class _SamplingRequest(_Model):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    prompt_logprobs: Any = None
     bad_words: Any = None
     use_beam_search: Any = False
     chat_template: Any = None
@@ -153,6 +154,8 @@ class _SamplingRequest(_Model):
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
         description="a string or a list of token ids (one prompt per request)")
+    # 0 only with echo: the prompt scored, nothing generated (how scoring clients ask)
+    max_tokens: StrictInt | None = Field(None, ge=0, description="tokens to generate at most (0: only with echo)")
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
     echo: StrictBool = False
     suffix: StrictStr | None = None
@@ -281,6 +284,7 @@ class GenerationRequest:
     include_usage: bool
     max_tokens_given: bool
     echo: bool = False                        # the prompt (completions) or last message (chat) leads the reply
+    prompt_only: bool = False                 # max_tokens 0 with echo: the prompt (and its logprobs), no tokens
     truncate_prompt_tokens: int | None = None  # keep the prompt's last k tokens; -1: the context length
 
 
@@ -336,15 +340,20 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         if req.best_of is not None and req.best_of != (req.n or 1):
             raise bad("best_of other than n is not supported (as in vLLM's v1 engine)", "best_of",
                       "unsupported_parameter")
-        if req.echo and req.logprobs is not None:
-            raise bad("echo with logprobs needs the prompt's logprobs, which this server does not compute",
-                      "echo", "unsupported_parameter")
+        if req.max_tokens == 0 and not req.echo:
+            raise bad("max_tokens 0 needs echo (the prompt scored, nothing generated)", "max_tokens")
         if req.suffix:
             raise bad("suffix is not supported", "suffix", "unsupported_parameter")
     name, max_tokens = "max_tokens", req.max_tokens
     if chat and req.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
+    prompt_only = not chat and max_tokens == 0
+    if prompt_only:
+        max_tokens = 1  # one step computes the prompt; its token is not reported
     given = max_tokens is not None
+    prompt_lp = req.prompt_logprobs
+    if not chat and req.echo and req.logprobs is not None:  # the echoed prompt's tokens get logprobs too
+        prompt_lp = max(prompt_lp or 0, req.logprobs)
     if chat:
         if req.logprobs:
             logprobs = req.top_logprobs or 0
@@ -367,6 +376,7 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
         structured_outputs=structured_outputs(req), allowed_token_ids=req.allowed_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
+        prompt_logprobs=prompt_lp,
     )
     try:
         params = SamplingParams(**kwargs)
@@ -376,7 +386,7 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
     include_usage = req.stream_options.include_usage if req.stream_options else False
     if req.truncate_prompt_tokens == 0:
         raise bad("truncate_prompt_tokens must be -1 (the context length) or at least 1", "truncate_prompt_tokens")
-    return GenerationRequest(req.model, params, req.stream, include_usage, given, req.echo,
+    return GenerationRequest(req.model, params, req.stream, include_usage, given, req.echo, prompt_only,
                              req.truncate_prompt_tokens)
 
 
