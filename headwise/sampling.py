@@ -38,6 +38,10 @@ class SamplingParams:
     structured_outputs: StructuredOutputs | None = None
     # Only these token ids may be sampled (vLLM's allowed_token_ids); None: any.
     allowed_token_ids: list[int] | None = None
+    # Words the output may not contain (vLLM's bad_words): the last token of each, as the
+    # engine tokenizes it at the start of a word and after a space, is banned wherever the
+    # output ends with the tokens before it.
+    bad_words: list[str] | None = None
     # A matched stop string, or the stop token's text, stays at the end of the output
     # (vLLM's semantics: by default neither is in it).
     include_stop_str_in_output: bool = False
@@ -55,6 +59,8 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise InvalidParameterError("logit_bias", "logit_bias must map token ids to biases")
         bias = self.logit_bias or {}
+        if isinstance(self.bad_words, tuple):
+            self.bad_words = list(self.bad_words)
         if isinstance(self.allowed_token_ids, (tuple, set, frozenset)):
             self.allowed_token_ids = list(self.allowed_token_ids)
         allowed = self.allowed_token_ids
@@ -95,6 +101,9 @@ class SamplingParams:
             ("allowed_token_ids", allowed is None or (isinstance(allowed, list) and len(allowed) > 0
                                                       and all(_is_int(t) and t >= 0 for t in allowed)),
              "must be a non-empty list of non-negative token ids"),
+            ("bad_words", self.bad_words is None or (isinstance(self.bad_words, list)
+                                                     and all(isinstance(w, str) and w.strip() for w in self.bad_words)),
+             "must be a list of words (non-blank strings)"),
             ("include_stop_str_in_output", isinstance(self.include_stop_str_in_output, bool), "must be a boolean"),
             ("skip_special_tokens", isinstance(self.skip_special_tokens, bool), "must be a boolean"),
             ("structured_outputs", self.structured_outputs is None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from headwise.engine.grammar import GrammarCompiler
-from headwise.engine.sampler import _process, sample
+from headwise.engine.sampler import _process, bad_word_ids, sample
 from headwise.engine.sequence import Sequence
 from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
@@ -108,6 +108,28 @@ def test_allowed_token_ids_mask_everything_else():
     picks = {sample(logits[:1].clone(), [_seq(temperature=1.0, seed=s, allowed_token_ids=[5, 9])])[0].token
              for s in range(30)}
     assert picks <= {5, 9} and len(picks) == 2
+
+
+def test_bad_words_ban_the_last_token_after_the_rest():
+    logits = torch.zeros(3, V)
+    words = [[7], [3, 4, 5]]
+    seqs = [_seq(out=[1, 3, 4]), _seq(out=[3, 9]), _seq(out=[4])]
+    for s in seqs:
+        s.bad_word_ids = words
+    got = _process(logits.clone(), seqs, {2}, None)
+    assert torch.isinf(got[:, 7]).all()               # a one-token word: always
+    assert got[0, 5] == float("-inf")                 # the output ends with 3, 4
+    assert got[1, 5] == 0 and got[2, 5] == 0          # it does not
+
+
+def test_bad_word_ids_at_a_word_start_and_after_a_space(default_tokenizer):
+    tok = default_tokenizer
+    ids = bad_word_ids(tok, ["Paris", " Paris"])
+    bare, spaced = tok.encode("Paris", add_special_tokens=False), tok.encode(" Paris", add_special_tokens=False)
+    assert ids == [bare, spaced, bare, spaced]
+    with pytest.raises(InvalidParameterError) as e:
+        SamplingParams(bad_words=["ok", "  "])
+    assert e.value.param == "bad_words"
 
 
 def test_min_p_keeps_only_tokens_near_the_top():
@@ -275,6 +297,14 @@ def test_chat_continues_the_final_message(default_llm):
     with pytest.raises(InvalidParameterError) as e:
         default_llm.chat(conv, chat_template_kwargs={"messages": []})
     assert e.value.param == "chat_template_kwargs"
+
+
+def test_bad_words_end_to_end(default_llm):
+    prompt = "The capital of France is"
+    plain = default_llm.generate(prompt, SamplingParams(max_tokens=6))[0]
+    assert "Paris" in plain.text
+    banned = default_llm.generate(prompt, SamplingParams(max_tokens=6, bad_words=["Paris"]))[0]
+    assert "Paris" not in banned.text and banned.text != plain.text
 
 
 def test_prompt_logprobs_of_choice_0_only(default_llm):

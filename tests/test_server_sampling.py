@@ -208,9 +208,13 @@ def test_stop_strings_special_tokens_and_allowed_ids(server):
               for d in range(10)]
     r = _complete(server, prompt="1, 2, 3,", max_tokens=6, temperature=1.0, seed=2, allowed_token_ids=digits)
     assert r.status_code == 200 and r.json()["choices"][0]["text"].isdigit(), r.text
+    paris = _complete(server, prompt="The capital of France is", max_tokens=4, temperature=0).json()
+    assert "Paris" in paris["choices"][0]["text"]
+    r = _complete(server, prompt="The capital of France is", max_tokens=4, temperature=0, bad_words=["Paris"])
+    assert r.status_code == 200 and "Paris" not in r.json()["choices"][0]["text"], r.text
     # a constraint and allowed_token_ids with nothing in common: the request fails, cleanly
     r = _chat(server, max_tokens=4, guided_choice=["yes", "no"], allowed_token_ids=digits)
-    assert r.status_code == 400 and r.json()["error"]["code"] == "structured_output_failed", r.text
+    assert r.status_code == 400 and r.json()["error"]["code"] == "no_token_allowed", r.text
 
 
 def test_completion_echo_and_prompt_truncation(server):

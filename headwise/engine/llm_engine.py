@@ -13,7 +13,7 @@ from headwise.cache.prefix_cache import PrefixStats
 from headwise.cache.spec import KVClassSpec
 from headwise.config import ConfigError, EngineConfig
 from headwise.engine.model_runner import ModelRunner, PromptScores
-from headwise.engine.sampler import sample
+from headwise.engine.sampler import bad_word_ids, sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.grammar import GrammarCompiler, consume
@@ -217,6 +217,8 @@ class LLMEngine:
         """A checked sequence, its structured-output matcher compiled (on this thread)."""
         self.check_params(params)
         seq = Sequence(ids, params, request_id)
+        if params.bad_words:
+            seq.bad_word_ids = bad_word_ids(self.tokenizer, params.bad_words)
         if params.structured_outputs is not None:
             seq.matcher = self.grammar.matcher(params.structured_outputs)
         return seq
@@ -292,8 +294,9 @@ class LLMEngine:
             # The grammar hit one of llguidance's limits at this step; its token is dropped.
             seq.error = f"structured output failed: {seq.matcher.get_error().strip()}"
         elif r.token is None:
-            seq.error = ("structured output failed: no token may follow (the grammar allows none of "
-                         "allowed_token_ids)")
+            seq.error = ("no token may be sampled: allowed_token_ids, bad_words and the structured-output "
+                         "constraint together leave none")
+            seq.error_code = "no_token_allowed"
         if seq.error is not None:
             seq.finish_reason, seq.finish_time = "abort", now
             self.scheduler.finish(seq)

@@ -1,8 +1,9 @@
-"""Turn logits into tokens: logits processors (grammar masks, allowed token ids,
-min_tokens, logit bias, penalties), then greedy, or temperature, min-p, top-k, top-p with
-per-request seeds.
+"""Turn logits into tokens: logits processors (grammar masks, allowed token ids, bad
+words, min_tokens, logit bias, penalties), then greedy, or temperature, min-p, top-k,
+top-p with per-request seeds.
 
-The processors run in vLLM's order: the structured-output mask, allowed_token_ids, min_tokens, logit_bias,
+The processors run in vLLM's order: the structured-output mask, allowed_token_ids,
+bad_words, min_tokens, logit_bias,
 repetition / frequency / presence penalties; then temperature and min-p. Logprobs are
 those of the model's raw distribution, before any of them, as vLLM reports by default.
 """
@@ -18,7 +19,7 @@ from headwise.engine.sequence import Sequence
 
 @dataclass
 class SampleResult:
-    token: int | None  # None: the processors left no token to sample (a grammar and allowed_token_ids)
+    token: int | None  # None: the processors left no token to sample
     logprob: float | None  # None unless the request asks for logprobs
     top_logprobs: dict[int, float] | None
 
@@ -36,7 +37,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: "set[int] | froz
     greedy = logits.argmax(dim=-1).tolist()
     for i, seq in enumerate(seqs):
         p = seq.params
-        if p.allowed_token_ids is not None and seq.matcher is not None and logits[i].max() == float("-inf"):
+        if _processed(seq) and logits[i].max() == float("-inf"):
             results.append(SampleResult(None, None, None))
             continue
         if p.greedy:
@@ -56,7 +57,7 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], eos_ids: "set[int] | froz
 def _processed(seq: Sequence) -> bool:
     p = seq.params
     return (seq.matcher is not None or bool(p.logit_bias) or p.penalised or p.allowed_token_ids is not None
-            or len(seq.output_token_ids) < p.min_tokens)
+            or bool(seq.bad_word_ids) or len(seq.output_token_ids) < p.min_tokens)
 
 
 def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: GrammarCompiler | None) -> torch.Tensor:
@@ -71,6 +72,8 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: Gramm
             keep = x[p.allowed_token_ids]  # [len(allowed)], read before the row is masked
             x.fill_(float("-inf"))
             x[p.allowed_token_ids] = keep
+        if seq.bad_word_ids:
+            _ban_bad_words(x, seq)
         # A grammar that is complete allows only its end; that wins over min_tokens.
         if len(seq.output_token_ids) < p.min_tokens and not (seq.matcher is not None and seq.matcher.is_accepting()):
             stops = set(p.stop_token_ids) | (set() if p.ignore_eos else set(eos_ids))
@@ -81,6 +84,28 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: Gramm
         if p.penalised:
             _penalise(x, seq)
     return logits
+
+
+def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """Token ids of each word as it is written at the start of a text and after a space
+    (the second only where the space makes tokens of their own, not one more token)."""
+    out = []
+    for w in words:
+        bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + w.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        if len(spaced) == len(bare) and spaced[0] != bare[0]:  # the space joined the first token
+            out.append(spaced)
+    return out
+
+
+def _ban_bad_words(x: torch.Tensor, seq: Sequence) -> None:
+    # x: [V]. A word's last token is banned where the output ends with the ones before it.
+    out = seq.output_token_ids
+    for ids in seq.bad_word_ids:
+        head = ids[:-1]
+        if len(head) <= len(out) and out[len(out) - len(head):] == head:
+            x[ids[-1]] = float("-inf")
 
 
 def _penalise(x: torch.Tensor, seq: Sequence) -> None:

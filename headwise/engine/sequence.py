@@ -34,6 +34,9 @@ class Sequence:
         self.num_cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.error: str | None = None  # why the request failed (finish_reason "abort"), if it did
+        self.error_code: str | None = None  # the server's code for it (None: structured_output_failed)
+        # params.bad_words as token ids (engine.sampler.bad_word_ids), made on admission
+        self.bad_word_ids: list[list[int]] = []
         self.logprobs: list[float] = []
         self.top_logprobs: list[dict[int, float]] = []
         # With params.prompt_logprobs: entry p is {prompt token p: its logprob given the

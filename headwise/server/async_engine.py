@@ -175,7 +175,7 @@ class AsyncEngine(EngineClient):
         top = seq.top_logprobs[h.sent_tokens:n_tok] if seq.params.logprobs else []
         upd = Update(text[h.sent_text:end], seq.output_token_ids[h.sent_tokens:n_tok], lp, top, done,
                      seq.finish_reason, seq.error, seq.num_prompt_tokens, n_tok, seq.num_cached_tokens or 0,
-                     error_status=400, error_code="structured_output_failed")
+                     error_status=400, error_code=seq.error_code or "structured_output_failed")
         if not h.sent_prompt and seq.prompt_logprobs is not None and (n_tok or done):
             upd.prompt_logprobs, upd.prompt_ranks = list(seq.prompt_logprobs), list(seq.prompt_ranks)
             h.sent_prompt = True

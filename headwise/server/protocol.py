@@ -92,8 +92,7 @@ class StructuredOutputsRequest(_Model):
 # hold anything but their default (the second element).
 UNSUPPORTED: dict[str, Any] = {
     "tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
-    "prediction": None, "web_search_options": None, "bad_words": None,
-    "use_beam_search": False,
+    "prediction": None, "web_search_options": None, "use_beam_search": False,
     # A template from the request runs on the server; vLLM too takes one only when told to trust it.
     "chat_template": None,
 }
@@ -136,6 +135,7 @@ class _SamplingRequest(_Model):
     skip_special_tokens: StrictBool = True
     truncate_prompt_tokens: StrictInt | None = Field(
         None, ge=-1, description="keep only the prompt's last k tokens (-1: the model's context length)")
+    bad_words: list[StrictStr] | None = Field(None, description="words the output may not contain")
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="logprobs of the prompt's tokens, "
                                                                          "with the top k at each (vLLM)")
     # Declared so that they can be refused by name (UNSUPPORTED), not silently dropped.
@@ -146,7 +146,6 @@ class _SamplingRequest(_Model):
     audio: Any = None
     prediction: Any = None
     web_search_options: Any = None
-    bad_words: Any = None
     use_beam_search: Any = False
     chat_template: Any = None
 
@@ -376,7 +375,7 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         logit_bias=_logit_bias(req), min_tokens=req.min_tokens or 0,
         structured_outputs=structured_outputs(req), allowed_token_ids=req.allowed_token_ids,
         include_stop_str_in_output=req.include_stop_str_in_output, skip_special_tokens=req.skip_special_tokens,
-        prompt_logprobs=prompt_lp,
+        prompt_logprobs=prompt_lp, bad_words=req.bad_words,
     )
     try:
         params = SamplingParams(**kwargs)
