@@ -119,10 +119,11 @@ class LLM:
 
     def chat(self, messages, params: "SamplingParams | list[SamplingParams] | None" = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,
-             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
         """`messages`: one conversation (a list of {role, content}) or a list of them;
-        `params` as in generate; the rest as in vLLM's LLM.chat (tokenizer.ChatOptions)."""
-        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {})
+        `params` as in generate; the rest as in vLLM's LLM.chat (tokenizer.ChatOptions):
+        `tools` are shown to the model by its template, the reply is its raw text."""
+        options = ChatOptions(add_generation_prompt, continue_final_message, chat_template_kwargs or {}, tools)
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts = [self.tokenizer.encode_chat(c, options) for c in convs]
         return self.generate(prompts, params, use_tqdm)

@@ -70,6 +70,11 @@ class Tokenizer:
         return cls(hf)
 
     @property
+    def chat_template(self) -> str | None:
+        t = getattr(self.hf, "chat_template", None)
+        return t if isinstance(t, str) else None
+
+    @property
     def eos_token_id(self) -> int | None:
         return self.hf.eos_token_id
 
@@ -86,7 +91,8 @@ class Tokenizer:
         if not getattr(self.hf, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template")
         o = options or ChatOptions()
-        return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=o.add_generation_prompt,
+        return self.hf.apply_chat_template(messages, tools=o.tools, tokenize=False,
+                                           add_generation_prompt=o.add_generation_prompt,
                                            continue_final_message=o.continue_final_message,
                                            **o.template_kwargs)
 
@@ -105,10 +111,12 @@ _RESERVED_TEMPLATE_KWARGS = frozenset((
 @dataclass(frozen=True)
 class ChatOptions:
     """How a conversation is rendered (vLLM's chat request fields of the same names).
-    template_kwargs: extra variables the template reads (e.g. Qwen3's enable_thinking)."""
+    template_kwargs: extra variables the template reads (e.g. Qwen3's enable_thinking);
+    tools: OpenAI's function tools, for a template that shows them to the model."""
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     template_kwargs: dict = field(default_factory=dict)
+    tools: list[dict] | None = None
 
     def __post_init__(self) -> None:
         if self.add_generation_prompt and self.continue_final_message:

@@ -4,6 +4,7 @@ transformers reads them, greedy output equals transformers' on the same file, an
 prefix-cache hit computes the same tokens as a cold run; with its gate-calibrated layout,
 prefix hits, the disk tier, the server and int8 KV work. Prompts of at most ~1K tokens
 (load and prefill time)."""
+import json
 from pathlib import Path
 
 import pytest
@@ -102,3 +103,39 @@ def test_tokenizer_by_type_is_the_one_autotokenizer_builds(qwen):
     fast = Tokenizer.from_path(path.parent, path.name, tokenizer_type=TOKENIZER_TYPES["qwen2"]).hf
     auto = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     assert type(fast) is type(auto) and _same_tokenizer(auto, fast)
+
+
+def test_tool_calls_in_qwens_own_format(qwen):
+    """auto: Qwen's template shows the tools and the reply becomes a call (plain and
+    streamed); an earlier call and its result are written into the prompt in its format.
+    Last in this file: the app's engine thread owns the engine from here on."""
+    _, llm = qwen
+    weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
+                                                "parameters": {"type": "object", "properties": {
+                                                    "city": {"type": "string"}}, "required": ["city"]}}}
+    ask = [{"role": "user", "content": "What is the weather in Paris right now?"}]
+    history = ask + [{"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C and sunny"}]
+    from headwise.server.protocol import ChatMessage, chat_messages
+    from headwise.tokenizer import ChatOptions
+
+    text = llm.tokenizer.apply_chat_template(chat_messages([ChatMessage(**m) for m in history]),
+                                             ChatOptions(tools=[weather]))
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\n18 C and sunny\n</tool_response>" in text
+    with TestClient(create_app(llm.engine)) as c:
+        body = {"messages": ask, "tools": [weather], "max_tokens": 40, "temperature": 0}
+        r = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert r["finish_reason"] == "tool_calls", r
+        call = r["message"]["tool_calls"][0]["function"]
+        assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Paris"}
+        lines = c.post("/v1/chat/completions", json=body | {"stream": True}).text.splitlines()
+        deltas = [json.loads(x[6:])["choices"][0] for x in lines if x.startswith("data: {")]
+        streamed = [t for d in deltas for t in d["delta"].get("tool_calls", [])]
+        assert [t["function"]["arguments"] for t in streamed] == [call["arguments"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        r = c.post("/v1/chat/completions", json={"messages": history, "tools": [weather], "max_tokens": 40,
+                                                 "temperature": 0})
+        assert r.status_code == 200, r.text

@@ -276,3 +276,62 @@ def test_scoring_a_prompt_with_echo_and_prompt_logprobs(server):
     assert len(chat["prompt_logprobs"]) == chat["usage"]["prompt_tokens"] and chat["prompt_logprobs"][0] is None
     r = _complete(server, prompt=prompt, max_tokens=0)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Weather of a city", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["C", "F"]}},
+    "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"tz": {"type": "string"}}, "required": ["tz"], "additionalProperties": False}}}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def test_named_and_required_tool_choice_through_the_openai_client(server):
+    client = openai.OpenAI(api_key="none", base_url=f"{server}/v1")
+    named = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=ASK, tools=[WEATHER, TIME],
+                                           tool_choice={"type": "function", "function": {"name": "get_weather"}},
+                                           max_tokens=40, temperature=0)
+    call = named.choices[0].message.tool_calls[0]
+    assert call.function.name == "get_weather" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER["function"]["parameters"])
+    assert named.choices[0].finish_reason == "stop" and named.choices[0].message.content is None
+    body = {"messages": ASK, "tools": [WEATHER, TIME], "tool_choice": "required", "max_tokens": 60, "temperature": 0}
+    r = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json()
+    calls = r["choices"][0]["message"]["tool_calls"]
+    assert r["choices"][0]["finish_reason"] == "tool_calls" and calls
+    for c in calls:
+        tool = {"get_weather": WEATHER, "get_time": TIME}[c["function"]["name"]]
+        jsonschema.validate(json.loads(c["function"]["arguments"]), tool["function"]["parameters"])
+    streamed = []
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body | {"stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                d = json.loads(line[6:])["choices"][0]
+                streamed += d["delta"].get("tool_calls", [])
+                assert not d["delta"].get("content")
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in streamed] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in calls]
+    assert [c["index"] for c in streamed] == list(range(len(calls)))
+
+
+def test_tool_fields_refused_or_passed_on(server):
+    def post(**body):
+        return httpx.post(f"{server}/v1/chat/completions", timeout=120, json={"messages": ASK, "max_tokens": 4} | body)
+
+    r = post(tools=[WEATHER])  # auto: SmolLM2's template teaches no call format
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = post(tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = post(tools=[WEATHER], tool_choice="required", response_format={"type": "json_object"})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    r = post(tools=[{"type": "function", "function": {"name": "bad name!"}}], tool_choice="required")
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    plain = post(temperature=0).json()["choices"][0]["message"]["content"]
+    none = post(temperature=0, tools=[WEATHER], tool_choice="none").json()["choices"][0]["message"]
+    assert none["content"] == plain and "tool_calls" not in none  # not shown, not parsed
+    # a conversation carrying an earlier call and its result
+    history = ASK + [{"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"}]
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={"messages": history, "max_tokens": 4})
+    assert r.status_code == 200, r.text

@@ -24,6 +24,7 @@ from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
 from headwise.server.choices import Choices
 from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
+from headwise.server.tool_calls import StreamParser, ToolPlan, parse as parse_tools
 from headwise.tokenizer import ChatOptions
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
@@ -263,8 +264,11 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         with echo: it is not), and the prompt's logprobs in vLLM's form where asked for.
         The prompt's logprobs come with choice 0's first update."""
 
-        def __init__(self, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str, asked_prompt_lp: bool):
+        def __init__(self, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str, asked_prompt_lp: bool,
+                     tools: ToolPlan | None):
             self.ids, self.chat, self.echo = ids, chat, echo
+            # tool calls are parsed out of the reply (not for "none", whose tools were not shown)
+            self.tools = tools if tools is not None and tools.mode != "none" else None
             self.want_lp = req.params.logprobs is not None
             self.k = req.params.logprobs or 0
             self.echo_lp = not chat and bool(echo) and self.want_lp
@@ -283,6 +287,18 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
 
         def prompt_field(self) -> list | None:
             return _prompt_logprobs(self.ids, self.first) if self.asked_prompt_lp and self.first else None
+
+        def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
+            """A chat choice's message (content and any tool calls) and its finish reason."""
+            if self.tools is None:
+                return {"role": "assistant", "content": text}, finish_reason
+            content, calls = parse_tools(text, self.tools)
+            msg = {"role": "assistant", "content": content}
+            if calls:
+                msg["tool_calls"] = [c.as_json() for c in calls]
+                if finish_reason == "stop" and self.tools.mode != "named":  # OpenAI's reasons
+                    finish_reason = "tool_calls"
+            return msg, finish_reason
 
         def body(self, upds: list[Update]) -> tuple[str, dict | None]:
             """A choice's generated text and logprobs (none with prompt_only)."""
@@ -313,6 +329,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         finished = False
         lasts: dict[int, Update] = {}
         led: set[int] = set()
+        parsers = [StreamParser(reply.tools) for _ in range(choices.n)] if reply.tools is not None else None
         try:
             if chat:
                 for i in range(choices.n):
@@ -341,6 +358,9 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                     if reply.prompt_only:
                         if u.finished:
                             yield chunk(piece(i, "", None, u.finish_reason))
+                    elif parsers is not None:
+                        for c in _tool_chunks(parsers[i], i, u, reply):
+                            yield chunk(c)
                     elif u.text or u.token_ids or u.finished:
                         lp = None
                         if reply.want_lp and u.token_ids:
@@ -358,12 +378,30 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             if not finished:  # the client went away mid-stream
                 choices.abort()
 
+    def _tool_chunks(parser: StreamParser, i: int, u: Update, reply: _Reply) -> list[dict]:
+        """A streamed choice's pieces when tools may be called: content as it is safe to
+        send, the calls whole at the end."""
+        lp = _chat_logprobs([u]) if reply.want_lp and u.token_ids else None
+        out = []
+        text = parser.feed(u.text)
+        if text or lp:
+            out.append({"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None})
+        if u.finished:
+            rest, calls = parser.finish()
+            delta: dict = {"content": rest} if rest else {}
+            if calls:
+                delta["tool_calls"] = [dict(c.as_json(), index=j) for j, c in enumerate(calls)]
+            _, reason = reply.message(parser.text, u.finish_reason)
+            out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": reason})
+        return out
+
     async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str = "",
-                       asked_prompt_lp: bool = False):
+                       asked_prompt_lp: bool = False, tools: ToolPlan | None = None):
         """`echo`: text that leads every choice's reply (the request's `echo`);
-        asked_prompt_lp: the request's own prompt_logprobs (not only echo's need of them)."""
+        asked_prompt_lp: the request's own prompt_logprobs (not only echo's need of them);
+        tools: the request's tool plan (chat)."""
         choices = await _start(ids, req, chat)
-        reply = _Reply(ids, req, chat, echo, asked_prompt_lp)
+        reply = _Reply(ids, req, chat, echo, asked_prompt_lp, tools)
         if req.stream:
             return StreamingResponse(_stream(choices, reply, req.include_usage), media_type="text/event-stream")
         per_choice = await _collect(request, choices)
@@ -377,13 +415,17 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             text, lp = reply.body(upds)
             if lead_lp is not None:
                 lp = _joined(lead_lp, lp)
+            reason = upds[-1].finish_reason
             if chat:
-                choice = {"index": i, "message": {"role": "assistant", "content": lead + text}, "logprobs": lp}
+                msg, reason = reply.message(text, reason)
+                if lead:
+                    msg["content"] = lead + (msg["content"] or "")
+                choice = {"index": i, "message": msg, "logprobs": lp}
             else:
                 choice = {"index": i, "text": lead + text, "logprobs": lp}
                 if asked_prompt_lp:
                     choice["prompt_logprobs"] = reply.prompt_field()
-            choice["finish_reason"] = upds[-1].finish_reason
+            choice["finish_reason"] = reason
             out.append(choice)
         body = {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": out,
@@ -417,9 +459,15 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
         gen = P.generation(req, chat=True, default_max_tokens=None)
         _check_model(gen)
-        ids = _truncated(await _chat_ids(req.messages, P.chat_options(req)), gen.truncate_prompt_tokens)
+        tools = P.tool_plan(req, tok.chat_template)
+        if tools is not None and tools.schema is not None:
+            gen.params.structured_outputs = P.tool_constraint(tools)
+        if tools is not None and tools.mode == "auto":
+            # The call tags may be special tokens (Qwen2.5's GGUF): kept in the text to be parsed.
+            gen.params.skip_special_tokens = False
+        ids = _truncated(await _chat_ids(req.messages, P.chat_options(req, tools)), gen.truncate_prompt_tokens)
         return await _respond(request, ids, gen, chat=True, echo=P.chat_echo(req),
-                              asked_prompt_lp=req.prompt_logprobs is not None)
+                              asked_prompt_lp=req.prompt_logprobs is not None, tools=tools)
 
     app.include_router(api)
     return app

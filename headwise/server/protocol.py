@@ -5,7 +5,7 @@ requests, and the error envelope {"error": {"message", "type", "param", "code"}}
 Types are strict, as OpenAI's API is: a boolean is not an integer, a string is not a
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
 vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
-support are refused by name when they would change the output (UNSUPPORTED: tools,
+support are refused by name when they would change the output (UNSUPPORTED: functions,
 best_of, suffix, batched prompts, ...); the ones that change nothing here
 (IGNORED) are accepted and ignored. docs/api.md lists both.
 """
@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from headwise.errors import InvalidParameterError
 from headwise.sampling import MAX_N, REPETITION_PENALTY, SamplingParams
+from headwise.server.tool_calls import ToolError, ToolPlan, message_for_template, plan
 from headwise.structured import StructuredOutputs
 from headwise.tokenizer import ChatOptions
 
@@ -91,7 +92,7 @@ class StructuredOutputsRequest(_Model):
 # Fields that would change the output and are not supported: refused by name when they
 # hold anything but their default (the second element).
 UNSUPPORTED: dict[str, Any] = {
-    "tools": None, "tool_choice": None, "functions": None, "function_call": None, "audio": None,
+    "functions": None, "function_call": None, "audio": None,
     "prediction": None, "web_search_options": None, "use_beam_search": False,
     # A template from the request runs on the server; vLLM too takes one only when told to trust it.
     "chat_template": None,
@@ -139,8 +140,6 @@ class _SamplingRequest(_Model):
     prompt_logprobs: StrictInt | None = Field(None, ge=0, le=20, description="logprobs of the prompt's tokens, "
                                                                          "with the top k at each (vLLM)")
     # Declared so that they can be refused by name (UNSUPPORTED), not silently dropped.
-    tools: Any = None
-    tool_choice: Any = None
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -166,9 +165,44 @@ class TextPart(_Model):
     text: StrictStr
 
 
+class FunctionCall(_Model):
+    name: StrictStr
+    arguments: StrictStr = Field(description="a JSON object, as text")
+
+
+class ToolCallMessage(_Model):
+    id: StrictStr
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Model):
     role: StrictStr
     content: StrictStr | list[TextPart] | None = None
+    name: StrictStr | None = None
+    tool_calls: list[ToolCallMessage] | None = None   # an assistant's calls, earlier in the conversation
+    tool_call_id: StrictStr | None = None             # a tool message: the call it answers
+
+
+class FunctionDef(_Model):
+    name: StrictStr = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
+    description: StrictStr | None = None
+    parameters: dict[str, Any] | None = Field(None, description="a JSON schema of the arguments")
+    strict: StrictBool | None = None
+
+
+class Tool(_Model):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(_Model):
+    name: StrictStr
+
+
+class NamedToolChoice(_Model):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -182,6 +216,8 @@ class ChatCompletionRequest(_SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(None, description="variables for the chat template")
     echo: StrictBool = Field(False, description="start the reply with the last message's content when the "
                                                 "reply continues that message's role (vLLM)")
+    tools: list[Tool] | None = Field(None, min_length=1)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 class TokenizeRequest(_Model):
@@ -241,7 +277,8 @@ class CompletionResponse(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallMessage] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -389,11 +426,20 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                              req.truncate_prompt_tokens)
 
 
-def chat_options(req: ChatCompletionRequest | TokenizeRequest) -> ChatOptions:
+def chat_options(req: ChatCompletionRequest | TokenizeRequest, tools: ToolPlan | None = None) -> ChatOptions:
     try:
-        return ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {})
+        return ChatOptions(req.add_generation_prompt, req.continue_final_message, req.chat_template_kwargs or {},
+                           (tools.tools or None) if tools is not None else None)
     except InvalidParameterError as e:
         raise bad(str(e), e.param) from None
+
+
+def tool_constraint(p: ToolPlan) -> StructuredOutputs:
+    """The structured-output constraint of tool_choice "required" or a named function."""
+    try:
+        return StructuredOutputs(json=p.schema, param="tools")
+    except InvalidParameterError as e:
+        raise bad(f"a tool's parameters do not compile: {e}", "tools") from None
 
 
 def chat_echo(req: ChatCompletionRequest) -> str:
@@ -407,14 +453,36 @@ def chat_echo(req: ChatCompletionRequest) -> str:
     return last["content"] if last["role"] == role else ""
 
 
-def chat_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
+def chat_messages(messages: list[ChatMessage]) -> list[dict]:
+    """The messages as chat templates read them (tool calls' arguments as objects)."""
     out = []
     for m in messages:
         content = m.content
         if isinstance(content, list):  # [{type: text, text: ...}, ...]
             content = "".join(p.text for p in content)
-        out.append({"role": m.role, "content": content or ""})
+        d = {"role": m.role, "content": content or ""}
+        if m.name is not None:
+            d["name"] = m.name
+        if m.tool_call_id is not None:
+            d["tool_call_id"] = m.tool_call_id
+        if m.tool_calls:
+            d["tool_calls"] = [c.model_dump() for c in m.tool_calls]
+        out.append(message_for_template(d))
     return out
+
+
+def tool_plan(req: ChatCompletionRequest, chat_template: str | None) -> ToolPlan | None:
+    """The request's tools and tool_choice, checked against each other and the model's
+    template (400 naming the field otherwise); None without tools."""
+    tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools else None
+    choice = req.tool_choice.model_dump() if isinstance(req.tool_choice, NamedToolChoice) else req.tool_choice
+    try:
+        p = plan(tools, choice, chat_template)
+    except ToolError as e:
+        raise bad(str(e), e.param) from None
+    if p is not None and p.schema is not None and structured_outputs(req) is not None:
+        raise bad(f'tool_choice "{p.mode}" constrains the output already; drop the other constraint', "tool_choice")
+    return p
 
 
 def completion_prompt(req: CompletionRequest) -> "str | list[int]":
