@@ -3,6 +3,7 @@ n choices (plain and streamed), penalties and logit_bias, and the fields refused
 or ignored. The official openai client's `beta.chat.completions.parse` with a pydantic
 model is run against `headwise serve` on the default model."""
 import json
+import time
 
 import httpx
 import jsonschema
@@ -335,3 +336,42 @@ def test_tool_fields_refused_or_passed_on(server):
         {"role": "tool", "tool_call_id": "c1", "content": "18 C, sunny"}]
     r = httpx.post(f"{server}/v1/chat/completions", timeout=120, json={"messages": history, "max_tokens": 4})
     assert r.status_code == 200, r.text
+
+
+def test_a_batch_of_prompts_answers_each_as_alone(server):
+    prompts = ["1, 2, 3,", "The capital of France is"]
+    body = {"prompt": prompts, "max_tokens": 4, "temperature": 1.0, "seed": 7, "n": 2}
+    r = _complete(server, **body).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    alone = [_complete(server, **body | {"prompt": p}).json() for p in prompts]
+    assert [c["text"] for c in r["choices"]] == [c["text"] for a in alone for c in a["choices"]]
+    assert r["usage"]["prompt_tokens"] == sum(a["usage"]["prompt_tokens"] for a in alone)
+    assert r["usage"]["completion_tokens"] == sum(a["usage"]["completion_tokens"] for a in alone)
+    streamed = {i: "" for i in range(4)}
+    with httpx.stream("POST", f"{server}/v1/completions", json=body | {"stream": True}, timeout=120) as s:
+        for line in s.iter_lines():
+            if line.startswith("data: {"):
+                for c in json.loads(line[6:])["choices"]:
+                    streamed[c["index"]] += c["text"]
+    assert [streamed[i] for i in range(4)] == [c["text"] for c in r["choices"]]
+    ids = [httpx.post(f"{server}/tokenize", json={"prompt": p}).json()["tokens"] for p in prompts]
+    by_ids = _complete(server, **body | {"prompt": ids}).json()
+    assert [c["text"] for c in by_ids["choices"]] == [c["text"] for c in r["choices"]]
+
+
+@pytest.mark.parametrize("prompt, code", [
+    (["fine", ""], "invalid_parameter"),
+    (["fine"] * 600, "invalid_parameter"),  # x n=2: more choices than one request may ask
+    # tokenized, it is too long: the first prompt was submitted by then, and is aborted
+    (["fine", "word " * 1100], "context_length_exceeded"),
+])
+def test_a_batch_with_a_bad_prompt_runs_none_of_it(server, prompt, code):
+    r = _complete(server, prompt=prompt, max_tokens=1000, n=2, ignore_eos=True)
+    assert r.status_code == 400 and r.json()["error"]["code"] == code, r.text
+    for _ in range(100):  # the abort reaches the engine thread within a step or two
+        metrics = httpx.get(f"{server}/metrics").text
+        running = [line for line in metrics.splitlines() if line.startswith("headwise:num_requests_running{")]
+        if running and all(line.endswith(" 0.0") for line in running):
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"still running: {running}")

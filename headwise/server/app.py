@@ -22,7 +22,7 @@ from headwise.server import protocol as P
 from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
-from headwise.server.choices import Choices
+from headwise.server.choices import ChoiceBatch, Choices
 from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
 from headwise.server.tool_calls import StreamParser, ToolPlan, parse as parse_tools
 from headwise.tokenizer import ChatOptions
@@ -150,8 +150,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             raise P.APIError(400, f"the model {req.model!r} does not exist; this server serves {name!r}",
                              "model", "model_not_found")
 
-    async def _start(ids: list[int], req: P.GenerationRequest, chat: bool) -> Choices:
-        """Check the request against the model and submit its first choice."""
+    async def _start(ids: list[int], req: P.GenerationRequest, chat: bool, request_id: str) -> Choices:
+        """Check a prompt against the model and submit its first choice."""
         if chat and not req.max_tokens_given:
             req.params.max_tokens = max(1, model.max_model_len - len(ids))
         try:
@@ -176,7 +176,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             except EngineUnavailableError as e:
                 raise P.APIError(503, str(e), None, "engine_unavailable") from None
 
-        choices = Choices(aeng, submit, req.params, ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24])
+        choices = Choices(aeng, submit, req.params, request_id)
         await choices.start()
         return choices
 
@@ -200,7 +200,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                                                  for k, v in top.items()]})
         return {"content": content}
 
-    async def _collect(request: Request, choices: Choices) -> list[list[Update]] | None:
+    async def _collect(request: Request, choices: ChoiceBatch) -> list[list[Update]] | None:
         """Every choice's updates; None if the client went away (its choices aborted)."""
         upds: list[list[Update]] = [[] for _ in range(choices.n)]
         try:
@@ -220,13 +220,13 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             choices.abort()
             raise
 
-    def _total_usage(lasts: list[Update], prompt_only: bool = False) -> dict:
-        # The prompt counts once for all choices (it is computed once), as OpenAI counts it.
+    def _total_usage(lasts: list[Update], batch: ChoiceBatch, prompt_only: bool = False) -> dict:
+        # Each prompt counts once for all its choices (it is computed once), as OpenAI counts it.
         out = 0 if prompt_only else sum(u.num_output_tokens for u in lasts)
-        first = lasts[0]
-        return {"prompt_tokens": first.num_prompt_tokens, "completion_tokens": out,
-                "total_tokens": first.num_prompt_tokens + out,
-                "prompt_tokens_details": {"cached_tokens": first.num_cached_tokens}}
+        firsts = [lasts[s] for s in batch.starts]
+        prompt = sum(u.num_prompt_tokens for u in firsts)
+        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
+                "prompt_tokens_details": {"cached_tokens": sum(u.num_cached_tokens for u in firsts)}}
 
     def _prompt_logprobs(ids: list[int], u0: Update) -> list[dict | None]:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {"<id>": {logprob,
@@ -310,8 +310,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 return text, None
             return text, _chat_logprobs(upds) if self.chat else _completion_logprobs(upds)
 
-    async def _stream(choices: Choices, reply: _Reply, include_usage: bool) -> AsyncIterator[str]:
-        chat = reply.chat
+    async def _stream(choices: ChoiceBatch, replies: list[_Reply], include_usage: bool) -> AsyncIterator[str]:
+        chat = replies[0].chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": choices.request_id, "object": obj, "created": int(time.time()), "model": name}
 
@@ -329,7 +329,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         finished = False
         lasts: dict[int, Update] = {}
         led: set[int] = set()
-        parsers = [StreamParser(reply.tools) for _ in range(choices.n)] if reply.tools is not None else None
+        tools = replies[0].tools
+        parsers = [StreamParser(tools) for _ in range(choices.n)] if tools is not None else None
         try:
             if chat:
                 for i in range(choices.n):
@@ -341,11 +342,13 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                         choices.abort()
                         yield f"data: {json.dumps(_engine_error(u).body())}\n\n"
                         break
-                    reply.see(i, u)
+                    k, j = choices.part_of(i)
+                    reply = replies[k]
+                    reply.see(j, u)
                     if i not in led:  # the echo, and the prompt's logprobs, before a choice's first tokens
                         led.add(i)
                         text, lp = reply.lead()
-                        prompt_lp = reply.prompt_field() if i == 0 else None
+                        prompt_lp = reply.prompt_field() if j == 0 else None
                         if text or lp or prompt_lp is not None:
                             c = piece(i, text, lp, None)
                             extra = None
@@ -372,7 +375,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 yield f"data: {json.dumps(e.body())}\n\n"
             finished = True
             if include_usage and len(lasts) == choices.n:
-                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)], reply.prompt_only))
+                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)], choices, replies[0].prompt_only))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
@@ -395,23 +398,34 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": reason})
         return out
 
-    async def _respond(request: Request, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str = "",
+    async def _respond(request: Request, prompts: list[tuple[list[int], str]], req: P.GenerationRequest, chat: bool,
                        asked_prompt_lp: bool = False, tools: ToolPlan | None = None):
-        """`echo`: text that leads every choice's reply (the request's `echo`);
-        asked_prompt_lp: the request's own prompt_logprobs (not only echo's need of them);
-        tools: the request's tool plan (chat)."""
-        choices = await _start(ids, req, chat)
-        reply = _Reply(ids, req, chat, echo, asked_prompt_lp, tools)
+        """`prompts`: (token ids, the text that leads each of its choices' replies: the
+        request's `echo`); asked_prompt_lp: the request's own prompt_logprobs (not only
+        echo's need of them); tools: the request's tool plan (chat)."""
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        parts: list[Choices] = []
+        try:
+            for k, (ids, _) in enumerate(prompts):
+                parts.append(await _start(ids, req, chat, rid if len(prompts) == 1 else f"{rid}-p{k}"))
+        except BaseException:
+            for c in parts:  # a later prompt refused: nothing of the request runs on
+                c.abort()
+            raise
+        choices = ChoiceBatch(parts, rid)
+        replies = [_Reply(ids, req, chat, echo, asked_prompt_lp, tools) for ids, echo in prompts]
         if req.stream:
-            return StreamingResponse(_stream(choices, reply, req.include_usage), media_type="text/event-stream")
+            return StreamingResponse(_stream(choices, replies, req.include_usage), media_type="text/event-stream")
         per_choice = await _collect(request, choices)
         if per_choice is None:
             return Response(status_code=499)  # the client is gone
-        for u in per_choice[0]:
-            reply.see(0, u)
-        lead, lead_lp = reply.lead()
+        for k, start in enumerate(choices.starts):
+            for u in per_choice[start]:
+                replies[k].see(0, u)
         out = []
         for i, upds in enumerate(per_choice):
+            reply = replies[choices.part_of(i)[0]]
+            lead, lead_lp = reply.lead()
             text, lp = reply.body(upds)
             if lead_lp is not None:
                 lp = _joined(lead_lp, lp)
@@ -429,9 +443,9 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             out.append(choice)
         body = {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": out,
-                "usage": _total_usage([u[-1] for u in per_choice], reply.prompt_only)}
+                "usage": _total_usage([u[-1] for u in per_choice], choices, req.prompt_only)}
         if chat and asked_prompt_lp:
-            body["prompt_logprobs"] = reply.prompt_field()
+            body["prompt_logprobs"] = replies[0].prompt_field()
         return body
 
     @api.post("/v1/completions", response_model=None,
@@ -440,18 +454,19 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     async def completions(req: P.CompletionRequest, request: Request):
         gen = P.generation(req, chat=False, default_max_tokens=16)
         _check_model(gen)
-        prompt = P.completion_prompt(req)
-        ids = prompt
-        if isinstance(prompt, str):
-            _refuse_long_text(len(prompt), "prompt")
-            ids = await asyncio.to_thread(tok.encode, prompt)
-        kept = _truncated(ids, gen.truncate_prompt_tokens)
-        echo = ""
-        if gen.echo:  # the prompt as sent, or as decoded where it was token ids or was truncated
-            same = isinstance(prompt, str) and len(kept) == len(ids)
-            echo = prompt if same else tok.decode(kept, skip_special_tokens=gen.params.skip_special_tokens)
-        return await _respond(request, kept, gen, chat=False, echo=echo,
-                              asked_prompt_lp=req.prompt_logprobs is not None)
+        prompts = []
+        for prompt in P.completion_prompts(req):
+            ids = prompt
+            if isinstance(prompt, str):
+                _refuse_long_text(len(prompt), "prompt")
+                ids = await asyncio.to_thread(tok.encode, prompt)
+            kept = _truncated(ids, gen.truncate_prompt_tokens)
+            echo = ""
+            if gen.echo:  # the prompt as sent, or as decoded where it was token ids or was truncated
+                same = isinstance(prompt, str) and len(kept) == len(ids)
+                echo = prompt if same else tok.decode(kept, skip_special_tokens=gen.params.skip_special_tokens)
+            prompts.append((kept, echo))
+        return await _respond(request, prompts, gen, chat=False, asked_prompt_lp=req.prompt_logprobs is not None)
 
     @api.post("/v1/chat/completions", response_model=None,
               responses={200: {"model": P.ChatCompletionResponse,
@@ -466,7 +481,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             # The call tags may be special tokens (Qwen2.5's GGUF): kept in the text to be parsed.
             gen.params.skip_special_tokens = False
         ids = _truncated(await _chat_ids(req.messages, P.chat_options(req, tools)), gen.truncate_prompt_tokens)
-        return await _respond(request, ids, gen, chat=True, echo=P.chat_echo(req),
+        return await _respond(request, [(ids, P.chat_echo(req))], gen, chat=True,
                               asked_prompt_lp=req.prompt_logprobs is not None, tools=tools)
 
     app.include_router(api)

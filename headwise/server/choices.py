@@ -77,3 +77,62 @@ class Choices:
         for t in self._pumps:
             t.cancel()
         self._open = 0
+
+
+class ChoiceBatch:
+    """Several prompts' Choices (a completions request with a list of prompts) as one
+    stream of (index, Update): prompt k's choice j has index k * n + j, as in OpenAI's and
+    vLLM's responses."""
+
+    def __init__(self, parts: list[Choices], request_id: str) -> None:
+        self.parts = parts
+        self.request_id = request_id
+        self.n = sum(p.n for p in parts)
+        self.starts = [sum(p.n for p in parts[:k]) for k in range(len(parts))]
+
+    def part_of(self, i: int) -> tuple[int, int]:
+        """(prompt, its choice) of index i."""
+        k = max(k for k, s in enumerate(self.starts) if s <= i)
+        return k, i - self.starts[k]
+
+    async def updates(self, timeout: float | None = None) -> AsyncIterator[tuple[int, Update] | None]:
+        """As Choices.updates, over every prompt's choices."""
+        if len(self.parts) == 1:
+            async for item in self.parts[0].updates(timeout):
+                yield item
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def pump(k: int, part: Choices) -> None:
+            try:
+                async for item in part.updates():
+                    await merged.put((k, item))
+            except Exception as e:  # a later choice refused: raised to the reader
+                await merged.put((k, e))
+            await merged.put((k, done))
+
+        pumps = [asyncio.create_task(pump(k, p)) for k, p in enumerate(self.parts)]
+        open_parts = len(self.parts)
+        try:
+            while open_parts:
+                try:
+                    k, item = await asyncio.wait_for(merged.get(), timeout)
+                except asyncio.TimeoutError:
+                    yield None
+                    continue
+                if item is done:
+                    open_parts -= 1
+                elif isinstance(item, Exception):
+                    self.abort()
+                    raise item
+                else:
+                    i, u = item
+                    yield self.starts[k] + i, u
+        finally:
+            for t in pumps:
+                t.cancel()
+
+    def abort(self) -> None:
+        for p in self.parts:
+            p.abort()

@@ -6,7 +6,7 @@ Types are strict, as OpenAI's API is: a boolean is not an integer, a string is n
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
 vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
 support are refused by name when they would change the output (UNSUPPORTED: functions,
-best_of, suffix, batched prompts, ...); the ones that change nothing here
+best_of, suffix, ...); the ones that change nothing here
 (IGNORED) are accepted and ignored. docs/api.md lists both.
 """
 from __future__ import annotations
@@ -149,9 +149,13 @@ class _SamplingRequest(_Model):
     chat_template: Any = None
 
 
+# Choices (prompts x n) in one completions request at most.
+MAX_PROMPTS = 1024
+
+
 class CompletionRequest(_SamplingRequest):
     prompt: StrictStr | list[StrictInt] | list[StrictStr] | list[list[StrictInt]] = Field(
-        description="a string or a list of token ids (one prompt per request)")
+        description="a string or token ids, or a batch: a list of either")
     # 0 only with echo: the prompt scored, nothing generated (how scoring clients ask)
     max_tokens: StrictInt | None = Field(None, ge=0, description="tokens to generate at most (0: only with echo)")
     logprobs: StrictInt | None = Field(None, ge=0, le=20)
@@ -485,13 +489,17 @@ def tool_plan(req: ChatCompletionRequest, chat_template: str | None) -> ToolPlan
     return p
 
 
-def completion_prompt(req: CompletionRequest) -> "str | list[int]":
+def completion_prompts(req: CompletionRequest) -> list["str | list[int]"]:
+    """The request's prompts: one (a string or token ids) or a batch (a list of either);
+    at most MAX_PROMPTS, each non-empty."""
     p = req.prompt
-    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], (str, list)):
-        p = p[0]
-    if isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)):
-        if not p:
-            raise bad("the prompt is empty", "prompt")
-        return p
-    raise bad("batched prompts are not supported; send one prompt per request", "prompt",
-              "unsupported_parameter")
+    one = isinstance(p, str) or (len(p) > 0 and all(isinstance(t, int) for t in p))
+    prompts = [p] if one else list(p)
+    if not prompts:
+        raise bad("the prompt is empty", "prompt")
+    if len(prompts) * (req.n or 1) > MAX_PROMPTS:
+        raise bad(f"{len(prompts)} prompts x n={req.n or 1} choices is more than {MAX_PROMPTS} in one request",
+                  "prompt")
+    if any(not q for q in prompts):
+        raise bad("the prompt is empty" if one else "a prompt of the batch is empty", "prompt")
+    return prompts
