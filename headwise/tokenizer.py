@@ -96,6 +96,19 @@ class Tokenizer:
                                            continue_final_message=o.continue_final_message,
                                            **o.template_kwargs)
 
+    def fill_in_the_middle(self, prefix: str, suffix: str) -> list[int]:
+        """A prompt for the text between `prefix` and `suffix`, in the model's own
+        fill-in-the-middle form (Qwen2.5-Coder's <|fim_prefix|> ... <|fim_suffix|> ...
+        <|fim_middle|>, or StarCoder's <fim_prefix> ...); ValueError for a model without one."""
+        vocab = self.hf.get_vocab()
+        for names in (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),
+                      ("<fim_prefix>", "<fim_suffix>", "<fim_middle>")):
+            if all(n in vocab for n in names):
+                pre, suf, mid = (vocab[n] for n in names)
+                return ([pre] + self.encode(prefix, add_special_tokens=False) + [suf]
+                        + self.encode(suffix, add_special_tokens=False) + [mid])
+        raise ValueError("this model has no fill-in-the-middle tokens, so it takes no suffix")
+
     def encode_chat(self, messages: list[dict[str, str]], options: "ChatOptions | None" = None) -> list[int]:
         # The template already holds the special tokens it needs.
         return self.encode(self.apply_chat_template(messages, options), add_special_tokens=False)

@@ -105,10 +105,11 @@ def test_tokenizer_by_type_is_the_one_autotokenizer_builds(qwen):
     assert type(fast) is type(auto) and _same_tokenizer(auto, fast)
 
 
-def test_tool_calls_in_qwens_own_format(qwen):
+def test_tool_calls_and_fill_in_the_middle(qwen):
     """auto: Qwen's template shows the tools and the reply becomes a call (plain and
-    streamed); an earlier call and its result are written into the prompt in its format.
-    Last in this file: the app's engine thread owns the engine from here on."""
+    streamed); an earlier call and its result are written into the prompt in its format;
+    a completion with a suffix fills in the middle. Last in this file: the app's engine
+    thread owns the engine from here on."""
     _, llm = qwen
     weather = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
                                                 "parameters": {"type": "object", "properties": {
@@ -139,3 +140,7 @@ def test_tool_calls_in_qwens_own_format(qwen):
         r = c.post("/v1/chat/completions", json={"messages": history, "tools": [weather], "max_tokens": 40,
                                                  "temperature": 0})
         assert r.status_code == 200, r.text
+        # fill in the middle (completions' suffix), in Qwen2.5-Coder's own <|fim_*|> form
+        r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n",
+                                            "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"].replace(" ", "").startswith("a+b"), r.text

@@ -233,6 +233,14 @@ def test_completion_echo_and_prompt_truncation(server):
     assert tail["choices"][0]["text"] == by_ids["choices"][0]["text"][len("1, 2, 3,"):]
 
 
+def test_suffix_needs_fill_in_the_middle_tokens(server):
+    r = _complete(server, prompt="def f(", suffix="):\n    pass", max_tokens=4)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"  # SmolLM2 has none
+    assert "fill-in-the-middle" in r.json()["error"]["message"]
+    r = _complete(server, prompt="def f(", suffix=")", echo=True, max_tokens=4)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "suffix"
+
+
 def test_version(server):
     import headwise
 

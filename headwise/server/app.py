@@ -457,7 +457,15 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         prompts = []
         for prompt in P.completion_prompts(req):
             ids = prompt
-            if isinstance(prompt, str):
+            if req.suffix is not None:  # fill in the middle: the prompt is what comes before
+                if not isinstance(prompt, str):
+                    raise P.bad("suffix needs the prompt as text", "suffix")
+                _refuse_long_text(len(prompt) + len(req.suffix), "prompt")
+                try:
+                    ids = await asyncio.to_thread(tok.fill_in_the_middle, prompt, req.suffix)
+                except ValueError as e:
+                    raise P.bad(str(e), "suffix") from None
+            elif isinstance(prompt, str):
                 _refuse_long_text(len(prompt), "prompt")
                 ids = await asyncio.to_thread(tok.encode, prompt)
             kept = _truncated(ids, gen.truncate_prompt_tokens)

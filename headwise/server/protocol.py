@@ -6,7 +6,7 @@ Types are strict, as OpenAI's API is: a boolean is not an integer, a string is n
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
 vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
 support are refused by name when they would change the output (UNSUPPORTED: functions,
-best_of, suffix, ...); the ones that change nothing here
+best_of, ...); the ones that change nothing here
 (IGNORED) are accepted and ignored. docs/api.md lists both.
 """
 from __future__ import annotations
@@ -382,8 +382,8 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
                       "unsupported_parameter")
         if req.max_tokens == 0 and not req.echo:
             raise bad("max_tokens 0 needs echo (the prompt scored, nothing generated)", "max_tokens")
-        if req.suffix:
-            raise bad("suffix is not supported", "suffix", "unsupported_parameter")
+        if req.suffix is not None and req.echo:
+            raise bad("echo and suffix do not go together: the reply is the middle", "suffix")
     name, max_tokens = "max_tokens", req.max_tokens
     if chat and req.max_completion_tokens is not None:
         name, max_tokens = "max_completion_tokens", req.max_completion_tokens
