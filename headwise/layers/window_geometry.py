@@ -78,6 +78,23 @@ def band_masks(start: int, length: int, sink: int, W: int, g: int, dtype, device
     return BandMasks(Bq, nb, bias(head[None], dtype), bias(band[None, None], dtype), sinks)
 
 
+@dataclass(frozen=True)
+class BandSpec:
+    """What band_masks takes for one chunk (kept to build its masks when first read)."""
+    start: int
+    length: int
+    sink: int
+    window: int
+    g: int                      # query heads per KV head
+    dtype: torch.dtype
+    device: torch.device
+    block: int = WINDOW_QUERY_BLOCK
+
+    def masks(self) -> BandMasks | None:
+        return band_masks(self.start, self.length, self.sink, self.window, self.g, self.dtype, self.device,
+                          self.block)
+
+
 @dataclass
 class WindowChunk:
     """One prefill chunk seen by the window heads of one (sink, window)."""
@@ -86,14 +103,14 @@ class WindowChunk:
     write_index: torch.Tensor      # [r] their ring entries
     ring_read: torch.Tensor | None = None  # torch: ring entries of the earlier context the band reads
     ring_pos: torch.Tensor | None = None  # [R] position per ring entry before the chunk (Triton)
-    # torch backend: band_masks' arguments. The masks are built on first read only, as
-    # the C prefill kernel (heads/window.py) masks by position and never reads them.
-    mask_args: tuple | None = field(default=None, repr=False)
+    # torch backend: the band's geometry. Its masks are built on first read only, as the
+    # C prefill kernel (heads/window.py) masks by position and never reads them.
+    band: BandSpec | None = field(default=None, repr=False)
 
     @cached_property
     def masks(self) -> BandMasks | None:
         """The band rows' masks (torch backend; None where every row is causal)."""
-        return None if self.mask_args is None else band_masks(*self.mask_args)
+        return None if self.band is None else self.band.masks()
 
 
 def ring_writes(start: int, length: int, sink: int, window: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,7 +127,7 @@ def window_chunk(start: int, length: int, sink: int, window: int, g: int, dtype,
     if for_kernels:
         ch.ring_pos = ring_positions(sink, window, start, device)
     else:
-        ch.mask_args = (start, length, sink, window, g, dtype, device, block)
+        ch.band = BandSpec(start, length, sink, window, g, dtype, device, block)
         # Band rows start at start + causal rows and reach back `window` positions; what
         # lies before the chunk is read from the ring (positions [lo, start)).
         lo = max(0, start + ch.causal_rows - window)
