@@ -87,8 +87,9 @@ def _process(logits: torch.Tensor, seqs: list[Sequence], eos_ids, grammar: Gramm
 
 
 def bad_word_ids(tokenizer, words: list[str]) -> list[list[int]]:
-    """Token ids of each word as it is written at the start of a text and after a space
-    (the second only where the space makes tokens of their own, not one more token)."""
+    """Token ids of each word as written at the start of a text and after a space (the
+    second only where the space joins the word's first token: as many tokens, a
+    different first one; vLLM's rule)."""
     out = []
     for w in words:
         bare = tokenizer.encode(w.lstrip(), add_special_tokens=False)
