@@ -24,7 +24,8 @@ from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
 from headwise.server.choices import ChoiceBatch, Choices
 from headwise.server.engine_client import EngineClient, EngineUnavailableError, ShuttingDownError, Update
-from headwise.server.tool_calls import StreamParser, ToolPlan, parse as parse_tools
+from headwise.server.replies import Logprobs, Reply, joined, total_usage
+from headwise.server.tool_calls import StreamParser, ToolPlan
 from headwise.tokenizer import ChatOptions
 from headwise.server.guards import GracefulServer, GuardMiddleware, api_key_dependency, max_chars_per_token
 
@@ -58,6 +59,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     tok = model.tokenizer
     vocab = model.vocab_size
     max_chars = model.max_model_len * max_chars_per_token(tok)
+    logprobs = Logprobs(tok)
     api = APIRouter(dependencies=[Depends(api_key_dependency(api_key))], responses=P.ERRORS)
 
     @app.exception_handler(P.APIError)
@@ -180,26 +182,6 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
         await choices.start()
         return choices
 
-    def _completion_logprobs(upds: list[Update]) -> dict:
-        toks, lps, tops = [], [], []
-        for u in upds:
-            toks += [tok.decode([t], skip_special_tokens=False) for t in u.token_ids]
-            lps += u.logprobs
-            tops += [{tok.decode([k], skip_special_tokens=False): v for k, v in d.items()} for d in u.top_logprobs]
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops or None, "text_offset": None}
-
-    def _chat_logprobs(upds: list[Update]) -> dict:
-        content = []
-        for u in upds:
-            for i, t in enumerate(u.token_ids):
-                s = tok.decode([t], skip_special_tokens=False)
-                top = u.top_logprobs[i] if i < len(u.top_logprobs) else {}
-                content.append({"token": s, "logprob": u.logprobs[i], "bytes": list(s.encode()),
-                                "top_logprobs": [{"token": tok.decode([k], skip_special_tokens=False),
-                                                  "logprob": v, "bytes": list(tok.decode([k]).encode())}
-                                                 for k, v in top.items()]})
-        return {"content": content}
-
     async def _collect(request: Request, choices: ChoiceBatch) -> list[list[Update]] | None:
         """Every choice's updates; None if the client went away (its choices aborted)."""
         upds: list[list[Update]] = [[] for _ in range(choices.n)]
@@ -220,97 +202,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             choices.abort()
             raise
 
-    def _total_usage(lasts: list[Update], batch: ChoiceBatch, prompt_only: bool = False) -> dict:
-        # Each prompt counts once for all its choices (it is computed once), as OpenAI counts it.
-        out = 0 if prompt_only else sum(u.num_output_tokens for u in lasts)
-        firsts = [lasts[s] for s in batch.starts]
-        prompt = sum(u.num_prompt_tokens for u in firsts)
-        return {"prompt_tokens": prompt, "completion_tokens": out, "total_tokens": prompt + out,
-                "prompt_tokens_details": {"cached_tokens": sum(u.num_cached_tokens for u in firsts)}}
-
-    def _prompt_logprobs(ids: list[int], u0: Update) -> list[dict | None]:
-        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {"<id>": {logprob,
-        rank, decoded_token}} for the token itself and the top k there."""
-        out: list[dict | None] = []
-        for p, entry in enumerate(u0.prompt_logprobs):
-            if entry is None:
-                out.append(None)
-                continue
-            # The top k come first, in order; the prompt's own token last where not among them.
-            out.append({str(t): {"logprob": v, "rank": u0.prompt_ranks[p] if t == ids[p] else r + 1,
-                                 "decoded_token": tok.decode([t], skip_special_tokens=False)}
-                        for r, (t, v) in enumerate(entry.items())})
-        return out
-
-    def _echo_logprobs(ids: list[int], u0: Update, k: int) -> dict:
-        """The echoed prompt's part of a completion's `logprobs` (OpenAI's legacy form): its
-        tokens, their logprobs (None for the first), and the top k at each."""
-        toks = [tok.decode([t], skip_special_tokens=False) for t in ids]
-        lps = [None] + [u0.prompt_logprobs[p][ids[p]] for p in range(1, len(ids))]
-        tops = [None] + [{tok.decode([t], skip_special_tokens=False): v for t, v in u0.prompt_logprobs[p].items()}
-                         for p in range(1, len(ids))]
-        return {"tokens": toks, "token_logprobs": lps, "top_logprobs": tops if k else None, "text_offset": None}
-
-    def _joined(a: dict, b: dict) -> dict:
-        # two completion logprobs objects, one after the other
-        tops = None if a["top_logprobs"] is None and b["top_logprobs"] is None else \
-            (a["top_logprobs"] or []) + (b["top_logprobs"] or [])
-        return {"tokens": a["tokens"] + b["tokens"], "token_logprobs": a["token_logprobs"] + b["token_logprobs"],
-                "top_logprobs": tops, "text_offset": None}
-
-    class _Reply:
-        """How a request's choices are written: what leads each (`echo`, and on completions
-        the echoed prompt's logprobs), whether the generated part is shown (max_tokens 0
-        with echo: it is not), and the prompt's logprobs in vLLM's form where asked for.
-        The prompt's logprobs come with choice 0's first update."""
-
-        def __init__(self, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str, asked_prompt_lp: bool,
-                     tools: ToolPlan | None):
-            self.ids, self.chat, self.echo = ids, chat, echo
-            # tool calls are parsed out of the reply (not for "none", whose tools were not shown)
-            self.tools = tools if tools is not None and tools.mode != "none" else None
-            self.want_lp = req.params.logprobs is not None
-            self.k = req.params.logprobs or 0
-            self.echo_lp = not chat and bool(echo) and self.want_lp
-            self.prompt_only = req.prompt_only
-            self.asked_prompt_lp = asked_prompt_lp
-            self.first: Update | None = None  # choice 0's first update (the prompt's logprobs)
-
-        def see(self, i: int, u: Update) -> None:
-            if i == 0 and self.first is None and u.prompt_logprobs is not None:
-                self.first = u
-
-        def lead(self) -> tuple[str, dict | None]:
-            """The text and (completions) logprobs that start a choice."""
-            lp = _echo_logprobs(self.ids, self.first, self.k) if self.echo_lp and self.first else None
-            return self.echo, lp
-
-        def prompt_field(self) -> list | None:
-            return _prompt_logprobs(self.ids, self.first) if self.asked_prompt_lp and self.first else None
-
-        def message(self, text: str, finish_reason: str | None) -> tuple[dict, str | None]:
-            """A chat choice's message (content and any tool calls) and its finish reason."""
-            if self.tools is None:
-                return {"role": "assistant", "content": text}, finish_reason
-            content, calls = parse_tools(text, self.tools)
-            msg = {"role": "assistant", "content": content}
-            if calls:
-                msg["tool_calls"] = [c.as_json() for c in calls]
-                if finish_reason == "stop" and self.tools.mode != "named":  # OpenAI's reasons
-                    finish_reason = "tool_calls"
-            return msg, finish_reason
-
-        def body(self, upds: list[Update]) -> tuple[str, dict | None]:
-            """A choice's generated text and logprobs (none with prompt_only)."""
-            if self.prompt_only:
-                return "", ({"content": []} if self.chat else
-                            {"tokens": [], "token_logprobs": [], "top_logprobs": None, "text_offset": None})
-            text = "".join(u.text for u in upds)
-            if not self.want_lp:
-                return text, None
-            return text, _chat_logprobs(upds) if self.chat else _completion_logprobs(upds)
-
-    async def _stream(choices: ChoiceBatch, replies: list[_Reply], include_usage: bool) -> AsyncIterator[str]:
+    async def _stream(choices: ChoiceBatch, replies: list[Reply], include_usage: bool) -> AsyncIterator[str]:
         chat = replies[0].chat
         obj = "chat.completion.chunk" if chat else "text_completion"
         base = {"id": choices.request_id, "object": obj, "created": int(time.time()), "model": name}
@@ -362,12 +254,12 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                         if u.finished:
                             yield chunk(piece(i, "", None, u.finish_reason))
                     elif parsers is not None:
-                        for c in _tool_chunks(parsers[i], i, u, reply):
+                        for c in reply.tool_chunks(parsers[i], i, u):
                             yield chunk(c)
                     elif u.text or u.token_ids or u.finished:
                         lp = None
                         if reply.want_lp and u.token_ids:
-                            lp = _chat_logprobs([u]) if chat else _completion_logprobs([u])
+                            lp = logprobs.chat([u]) if chat else logprobs.completion([u])
                         yield chunk(piece(i, u.text, lp, u.finish_reason if u.finished else None))
                     if u.finished:
                         lasts[i] = u
@@ -375,28 +267,11 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 yield f"data: {json.dumps(e.body())}\n\n"
             finished = True
             if include_usage and len(lasts) == choices.n:
-                yield chunk({}, _total_usage([lasts[i] for i in range(choices.n)], choices, replies[0].prompt_only))
+                yield chunk({}, total_usage([lasts[i] for i in range(choices.n)], choices.starts, replies[0].prompt_only))
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
                 choices.abort()
-
-    def _tool_chunks(parser: StreamParser, i: int, u: Update, reply: _Reply) -> list[dict]:
-        """A streamed choice's pieces when tools may be called: content as it is safe to
-        send, the calls whole at the end."""
-        lp = _chat_logprobs([u]) if reply.want_lp and u.token_ids else None
-        out = []
-        text = parser.feed(u.text)
-        if text or lp:
-            out.append({"index": i, "delta": {"content": text} if text else {}, "logprobs": lp, "finish_reason": None})
-        if u.finished:
-            rest, calls = parser.finish()
-            delta: dict = {"content": rest} if rest else {}
-            if calls:
-                delta["tool_calls"] = [dict(c.as_json(), index=j) for j, c in enumerate(calls)]
-            _, reason = reply.message(parser.text, u.finish_reason)
-            out.append({"index": i, "delta": delta, "logprobs": None, "finish_reason": reason})
-        return out
 
     async def _respond(request: Request, prompts: list[tuple[list[int], str]], req: P.GenerationRequest, chat: bool,
                        asked_prompt_lp: bool = False, tools: ToolPlan | None = None):
@@ -413,7 +288,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 c.abort()
             raise
         choices = ChoiceBatch(parts, rid)
-        replies = [_Reply(ids, req, chat, echo, asked_prompt_lp, tools) for ids, echo in prompts]
+        replies = [Reply(logprobs, ids, req, chat, echo, asked_prompt_lp, tools) for ids, echo in prompts]
         if req.stream:
             return StreamingResponse(_stream(choices, replies, req.include_usage), media_type="text/event-stream")
         per_choice = await _collect(request, choices)
@@ -428,7 +303,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             lead, lead_lp = reply.lead()
             text, lp = reply.body(upds)
             if lead_lp is not None:
-                lp = _joined(lead_lp, lp)
+                lp = joined(lead_lp, lp)
             reason = upds[-1].finish_reason
             if chat:
                 msg, reason = reply.message(text, reason)
@@ -443,7 +318,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             out.append(choice)
         body = {"id": choices.request_id, "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": name, "choices": out,
-                "usage": _total_usage([u[-1] for u in per_choice], choices, req.prompt_only)}
+                "usage": total_usage([u[-1] for u in per_choice], choices.starts, req.prompt_only)}
         if chat and asked_prompt_lp:
             body["prompt_logprobs"] = replies[0].prompt_field()
         return body
