@@ -47,8 +47,8 @@ class IdTokenizer:
     def encode(self, text: str) -> list[int]:
         raise TypeError("this benchmark passes token ids, not text")
 
-    def decode(self, ids: list[int]) -> str:
-        return " ".join(map(str, ids))
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return " ".join(map(str, ids))  # no token is special here
 
 
 def random_model(shape: dict, max_len: int, device: str, dtype: torch.dtype, seed: int = 0) -> CausalLM:
