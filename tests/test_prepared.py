@@ -5,9 +5,11 @@ steps without changing a token."""
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import socket
 import subprocess
+import time
 
 import pytest
 import torch
@@ -101,10 +103,38 @@ def test_a_damaged_entry_is_rebuilt(entry, cache, caplog):
     assert sum("do not read back" in r.message for r in caplog.records) == 2
 
 
-def test_eviction_keeps_the_bound_and_the_newest(tmp_path):
-    import os
-    import time
+def test_an_entry_another_process_deletes_while_it_is_read(entry, cache, monkeypatch, caplog):
+    """Two engines starting at once (pytest's workers, two servers): one's eviction may
+    delete the entry the other is reading. What the reader mapped or opened stays readable;
+    one that had not opened its files yet prepares anew and writes the entry again."""
+    want, where, read = entry[2], entry[1].engine.prepared.dir, P.PreparedWeights._read
 
+    def read_then_deleted(self, cfg, manifest):
+        model = read(self, cfg, manifest)
+        shutil.rmtree(self.dir)
+        return model
+
+    monkeypatch.setattr(P.PreparedWeights, "_read", read_then_deleted)
+    assert _greedy(LLM(None, **OPTS)) == want
+    assert not where.exists()
+    # the entry is written again by a start that prepared anew
+    LLM(None, **OPTS).engine.prepared.writer.join()
+
+    def deleted_then_read(self, cfg, manifest):
+        shutil.rmtree(self.dir)
+        return read(self, cfg, manifest)
+
+    monkeypatch.setattr(P.PreparedWeights, "_read", deleted_then_read)
+    with caplog.at_level(logging.INFO, logger="headwise.prepared"):
+        llm = LLM(None, **OPTS)
+    assert any("deleted while being read" in r.message for r in caplog.records)
+    assert not any("do not read back" in r.message for r in caplog.records)
+    llm.engine.prepared.writer.join()
+    assert (where / "manifest.json").exists()
+    assert _greedy(llm) == want
+
+
+def test_eviction_keeps_the_bound_and_the_newest(tmp_path):
     for i, name in enumerate(["old", "mid", "new"]):
         d = tmp_path / name
         d.mkdir()

@@ -101,17 +101,26 @@ class PreparedWeights:
         """The prepared model, or None where there is no entry. An entry that does not read
         back is deleted (one log line) and None returned: the caller prepares anew."""
         manifest = self.dir / "manifest.json"
-        if not manifest.exists():
+        try:
+            # Marked recently used before it is read, so that another process's eviction
+            # passes it over. One that deletes it all the same leaves what is mapped or
+            # open readable; the entry is then prepared anew only if a file was not yet.
+            os.utime(manifest)
+        except FileNotFoundError:
             return None
+        except OSError:  # a read-only cache directory is read all the same
+            pass
         t0 = time.perf_counter()
         try:
             model = self._read(cfg, json.loads(manifest.read_text()))
         except (OSError, ValueError, KeyError, TypeError, RuntimeError) as e:
+            if not self.dir.exists():  # another process deleted it meanwhile: nothing damaged
+                log.info("prepared weights %s were deleted while being read; preparing anew", self.dir)
+                return None
             log.warning("prepared weights %s do not read back (%s: %s); deleting them and preparing anew",
                         self.dir, type(e).__name__, e)
             shutil.rmtree(self.dir, ignore_errors=True)
             return None
-        os.utime(manifest)  # recently used
         log.info("prepared weights read from %s in %.1f s", self.dir, time.perf_counter() - t0)
         return model
 
@@ -202,7 +211,7 @@ class PreparedWeights:
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
-        size = sum(p.stat().st_size for p in self.dir.iterdir())
+        size = sum(_nbytes(e) for e in entries)
         log.info("prepared weights saved to %s (%.0f MiB, %.1f s)", self.dir, size / 2**20, time.perf_counter() - t0)
         _evict(self.root, PREPARED_BYTES, keep=self.dir)
 
@@ -297,9 +306,12 @@ def _evict(root: Path, bound: int, keep: Path) -> None:
     """Delete the least recently used entries (by their manifest's time) beyond `bound` bytes."""
     entries = []
     for d in root.iterdir():
-        if d.name.startswith(".") or not (d / "manifest.json").exists():
+        if d.name.startswith("."):
             continue
-        entries.append(((d / "manifest.json").stat().st_mtime, sum(p.stat().st_size for p in d.iterdir()), d))
+        try:
+            entries.append(((d / "manifest.json").stat().st_mtime, sum(p.stat().st_size for p in d.iterdir()), d))
+        except FileNotFoundError:  # no entry yet, or another process deleted it meanwhile
+            continue
     total = sum(e[1] for e in entries)
     for _, size, d in sorted(entries):
         if total <= bound:
