@@ -204,7 +204,7 @@ def test_eval_suite_cli_refuses_bad_input(tiny_models, capsys, monkeypatch):
     assert "unknown suite family 'essays'" in capsys.readouterr().err
 
 
-def test_suite_run_resumes_by_family(tiny_models, tmp_path):
+def test_suite_run_resumes_by_prompt(tiny_models, tmp_path):
     # A run stopped after its first family: given its own records back, the next run
     # computes only what is missing and keeps what was there.
     from headwise.evaluation.suite import run_quality
@@ -222,6 +222,14 @@ def test_suite_run_resumes_by_family(tiny_models, tmp_path):
     key = lambda r: (r.family, r.depth, r.seed)  # noqa: E731
     assert sorted(map(key, again)) == sorted(map(key, first))
     assert quality.load(tmp_path / "b.json") == again
+    # more seeds later: only the prompts of the new seeds run; the first seed's are kept
+    more, _ = run_quality(model, ["window"], ["number"], [160], seeds=2, engine_options=opts, previous=again,
+                          reference=False)
+    number = [r for r in more if r.family == "number"]
+    assert sorted((r.depth, r.seed) for r in number) == sorted(
+        (depth, quality.seed_of(d, i)) for d, depth in enumerate(quality.DEPTHS) for i in range(2))
+    assert sum(r.output == "kept" for r in number) == len(quality.DEPTHS)
+    assert sum(r.family.startswith("ppl:") for r in more) == sum(r.family.startswith("ppl:") for r in again)
 
 
 def test_a_named_dtype_tags_its_records_and_is_reported_beside_the_engine_dtype(tiny_models):

@@ -46,9 +46,10 @@ def add_eval(sub) -> None:
                         "instead of --tasks; --seeds defaults to 3")
     p.add_argument("--families", default=",".join(FAMILIES), help="suite families, comma-separated")
     p.add_argument("--report", action="append", default=[], metavar="JSON",
-                   help="suite records of earlier runs (--suite --json) to add to the table; a layout's "
-                        "family and length they hold is not run again, so giving a stopped run's own "
-                        "--json back resumes it (repeatable)")
+                   help="suite records of earlier runs (--suite --json) to add to the table; a prompt "
+                        "(layout, family, length, depth, seed) they hold is not run again, so giving a "
+                        "stopped run's own --json back resumes it, and a run with more --seeds adds only "
+                        "the new seeds' prompts (repeatable)")
     p.add_argument("--no-reference", action="store_true",
                    help="suite: run only the --head-layout layouts, not the reference (merge with its "
                         "records later through --report)")

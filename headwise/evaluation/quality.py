@@ -47,8 +47,9 @@ def seed_of(depth_index: int, i: int) -> int:
 
 
 def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4096, 8000),
-              seeds: int = SEEDS, ppl: bool = True, progress=None) -> list[SuiteRecord]:
-    """Greedy answers of one engine to every prompt of the suite, scored."""
+              seeds: int = SEEDS, ppl: bool = True, progress=None, skip=frozenset()) -> list[SuiteRecord]:
+    """Greedy answers of one engine to every prompt of the suite, scored; the prompts
+    `skip` names, as (family, length, depth, seed), are left out (records held already)."""
     frac = llm.engine.layout.full_fraction
     from headwise.sampling import SamplingParams
 
@@ -62,6 +63,8 @@ def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4
             for d, depth in enumerate(DEPTHS):
                 for i in range(seeds):
                     seed = seed_of(d, i)
+                    if (name, length, depth, seed) in skip:
+                        continue
                     s = fam.build(tok, length, depth, seed)
                     o = llm.generate(s.text, SamplingParams(max_tokens=fam.max_new, stop=["\n\n"]),
                                      use_tqdm=False)[0]
@@ -74,6 +77,12 @@ def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4
                 nll = -llm.engine.prompt_logprobs(ids).mean()
                 out.append(SuiteRecord(layout, f"ppl:{src}", length, None, 0, math.exp(float(nll)), "", frac))
     return out
+
+
+def prompts(families, lengths, seeds: int) -> list[tuple[str, int, float, int]]:
+    """(family, length, depth, seed) of every prompt run_suite answers."""
+    return [(f, L, depth, seed_of(d, i)) for L in lengths for f in families
+            for d, depth in enumerate(DEPTHS) for i in range(seeds)]
 
 
 def wilson(mean: float, n: int, z: float = Z95) -> tuple[float, float]:

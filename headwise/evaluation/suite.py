@@ -120,10 +120,10 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
                 engine_options: dict | None = None, previous: list[quality.SuiteRecord] | None = None,
                 reference: bool = True):
     """The quality suite (evaluation.quality) for the reference and each layout; records
-    of `previous` runs (--report) join the table, and a (layout, family, length) they
-    already hold is not run again, so runs over different lengths or families merge.
-    Records are written to `json_path` after every family, so a run stopped part-way
-    resumes when its own file is given back as `previous`. reference=False runs only the
+    of `previous` runs (--report) join the table, and a prompt (or a perplexity) they
+    already hold is not run again, so runs over different lengths, families or numbers of
+    seeds merge. Records are written to `json_path` after every family, so a run stopped
+    part-way resumes when its own file is given back as `previous`. reference=False runs only the
     layouts given (their records merge with the reference's later, through --report).
     Returns (records, markdown; None without the reference's records)."""
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
@@ -137,8 +137,10 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     ref_name = ref_spec + tag
     shape = (cfg.num_layers, cfg.num_kv_heads, cfg.head_dim)
     records = list(previous or [])
-    # What the records hold, by (layout, family, length); perplexity counts as family "ppl".
-    done = {(r.layout, "ppl" if r.family.startswith("ppl:") else r.family, r.length) for r in records}
+    # What the records hold: prompts by (layout, family, length, depth, seed), perplexity
+    # by (layout, length).
+    held = {(r.layout, r.family, r.length, r.depth, r.seed) for r in records if r.depth is not None}
+    ppl_done = {(r.layout, r.length) for r in records if r.family.startswith("ppl:")}
     if layout_specs is None:
         shipped = shipped_layout(cfg.name, shape)
         layout_specs = [] if shipped is None else [shipped]
@@ -148,16 +150,20 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
         name = _name(spec, lay) + tag
-        work = [(L, f) for L in lengths for f in [*families, "ppl"] if (name, f, L) not in done]
+        wanted = quality.prompts(families, lengths, seeds)
+        skip = {p for p in wanted if (name, *p) in held}
+        missing = len(wanted) - len(skip)
+        work = [(L, f) for L in lengths for f in families
+                if any(p not in skip for p in quality.prompts([f], [L], seeds))]
+        work += [(L, "ppl") for L in lengths if (name, L) not in ppl_done]
         if work:
-            todo.append((name, lay, work))
-    per = len(quality.DEPTHS) * seeds
-    bar = tqdm(total=per * sum(f != "ppl" for _, _, w in todo for _, f in w), desc="quality suite", unit="prompt")
-    for name, lay, work in todo:
+            todo.append((name, lay, work, skip, missing))
+    bar = tqdm(total=sum(t[-1] for t in todo), desc="quality suite", unit="prompt")
+    for name, lay, work, skip, _ in todo:
         llm = LLM(model, **{**opts, "head_layout": lay})
         for L, fam in work:  # saved after every family, so an interrupted run resumes (--report)
             records += quality.run_suite(llm, name, [] if fam == "ppl" else [fam], [L], seeds,
-                                         ppl=fam == "ppl", progress=bar)
+                                         ppl=fam == "ppl", progress=bar, skip=skip)
             if json_path:
                 quality.save(records, json_path)
         del llm
