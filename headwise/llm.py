@@ -1,6 +1,7 @@
 """Offline API: LLM(model).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from tqdm import tqdm
@@ -23,14 +24,20 @@ class CompletionOutput:
     top_logprobs: list[dict[int, float]] | None
     num_cached_tokens: int          # prompt tokens this choice found in the prefix cache
     error: str | None = None        # why it failed (finish_reason "abort"), e.g. a grammar past its limits
+    # Sum of the tokens' logprobs (vLLM's field), where they were computed: logprobs asked
+    # for, or best_of > n (the choices are ranked by it).
+    cumulative_logprob: float | None = None
 
     @classmethod
-    def from_seq(cls, index: int, seq: Sequence) -> "CompletionOutput":
-        has_lp = seq.params.logprobs is not None
+    def from_seq(cls, index: int, seq: Sequence, asked: SamplingParams) -> "CompletionOutput":
+        """Choice `index` of a request that `asked` these params (the sequence's own may
+        compute logprobs that were not asked for: best_of)."""
+        computed = seq.params.logprobs is not None
+        shown = asked.logprobs is not None
         return cls(index, seq.output_text, list(seq.output_token_ids), seq.finish_reason,
-                   list(seq.logprobs) if has_lp else None,
-                   list(seq.top_logprobs) if has_lp and seq.params.logprobs else None,
-                   seq.num_cached_tokens or 0, seq.error)
+                   list(seq.logprobs) if shown else None,
+                   list(seq.top_logprobs) if shown and asked.logprobs else None,
+                   seq.num_cached_tokens or 0, seq.error, math.fsum(seq.logprobs) if computed else None)
 
 
 @dataclass
@@ -54,9 +61,14 @@ class RequestOutput:
     prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @classmethod
-    def from_seqs(cls, seqs: list[Sequence]) -> "RequestOutput":
+    def from_seqs(cls, seqs: list[Sequence], asked: SamplingParams) -> "RequestOutput":
+        """A prompt's result from its choices' sequences (asked.choices of them; the best n
+        kept where best_of > n)."""
         first = seqs[0]
-        outputs = [CompletionOutput.from_seq(i, s) for i, s in enumerate(seqs)]
+        every = [CompletionOutput.from_seq(i, s, asked) for i, s in enumerate(seqs)]
+        outputs = [every[i] for i in asked.best([o.cumulative_logprob for o in every])]
+        for i, o in enumerate(outputs):
+            o.index = i
         o = outputs[0]
         return cls(
             request_id=first.request_id, prompt_token_ids=first.prompt_token_ids, text=o.text,
@@ -103,7 +115,7 @@ class LLM:
         groups: list[list[Sequence]] = []
         for ids, p in zip(encoded, per_prompt):
             self.engine.check_length(len(ids), p.max_tokens)
-            groups.append([self.engine.new_sequence(ids, p.for_choice(i)) for i in range(p.n)])
+            groups.append([self.engine.new_sequence(ids, p.for_choice(i)) for i in range(p.choices)])
         queued: list[Sequence] = []
         try:
             for g in groups:
@@ -115,7 +127,7 @@ class LLM:
                 if not s.is_finished:
                     self.engine.abort(s)
             raise
-        return [RequestOutput.from_seqs(g) for g in groups]
+        return [RequestOutput.from_seqs(g, p) for g, p in zip(groups, per_prompt)]
 
     def chat(self, messages, params: "SamplingParams | list[SamplingParams] | None" = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True, continue_final_message: bool = False,

@@ -26,6 +26,9 @@ class SamplingParams:
     logprobs: int | None = None    # None: none; 0: chosen token only; k: plus top-k
     # Choices per prompt; choice i > 0 samples with seed + i when a seed is given (vLLM).
     n: int = 1
+    # Choices sampled per prompt, of which the n with the highest cumulative logprob are
+    # returned (vLLM v0's and OpenAI's best_of); None: n.
+    best_of: int | None = None
     min_p: float = 0.0             # drop tokens whose probability is below min_p x the top one's
     # vLLM's penalties: presence / frequency subtract from the logits of tokens already
     # generated (once / per occurrence); repetition divides positive logits (multiplies
@@ -86,6 +89,9 @@ class SamplingParams:
             ("stop_token_ids", all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
              "must be a list of non-negative integers"),
             ("n", _is_int(self.n) and 1 <= self.n <= MAX_N, f"must be an integer in [1, {MAX_N}], got {self.n!r}"),
+            ("best_of", self.best_of is None or (_is_int(self.best_of) and _is_int(self.n)
+                                                 and self.n <= self.best_of <= MAX_N),
+             f"must be an integer in [n, {MAX_N}], got {self.best_of!r}"),
             ("min_p", _is_num(self.min_p) and 0 <= self.min_p <= 1, f"must be in [0, 1], got {self.min_p!r}"),
             ("presence_penalty", _is_num(self.presence_penalty) and -2 <= self.presence_penalty <= 2,
              f"must be in [-2, 2], got {self.presence_penalty!r}"),
@@ -112,6 +118,9 @@ class SamplingParams:
         for name, ok, msg in checks:
             if not ok:
                 raise InvalidParameterError(name, f"{name} {msg}")
+        if self.choices > self.n and self.greedy:
+            raise InvalidParameterError("best_of", "best_of > n needs sampling (temperature > 0): "
+                                        "greedy choices would all be the same")
 
     @property
     def greedy(self) -> bool:
@@ -122,11 +131,27 @@ class SamplingParams:
     def penalised(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
+    @property
+    def choices(self) -> int:
+        """Choices sampled per prompt: best_of where given, else n."""
+        return self.n if self.best_of is None else self.best_of
+
     def for_choice(self, i: int) -> "SamplingParams":
         """Choice i's own params (n = 1; seed + i when seeded, so the choices differ). The
-        prompt's logprobs are computed by choice 0 only (the others use its cached prefix)."""
+        prompt's logprobs are computed by choice 0 only (the others use its cached prefix).
+        Choices to be ranked (best_of > n) compute their tokens' logprobs."""
         seed = self.seed if self.seed is None or i == 0 else (self.seed + i) % (1 << 64)
-        return replace(self, n=1, seed=seed, prompt_logprobs=self.prompt_logprobs if i == 0 else None)
+        ranked = self.choices > self.n and self.logprobs is None
+        return replace(self, n=1, best_of=None, seed=seed, logprobs=0 if ranked else self.logprobs,
+                       prompt_logprobs=self.prompt_logprobs if i == 0 else None)
+
+    def best(self, cumulative_logprobs: list[float]) -> list[int]:
+        """Which of the choices are returned, best first where ranked (best_of > n): the n
+        with the highest cumulative logprob; else all, in order."""
+        order = range(len(cumulative_logprobs))
+        if self.choices == self.n:
+            return list(order)
+        return sorted(order, key=lambda i: -cumulative_logprobs[i])[:self.n]
 
 
 def _is_int(x) -> bool:

@@ -3,6 +3,7 @@ repetition penalties, min_p, min_tokens, n choices, and structured outputs (JSON
 JSON object, regex, choice, grammar) through llguidance. Processors are checked against
 references recomputed here; constrained outputs are parsed and validated."""
 import json
+import math
 import re
 
 import jsonschema
@@ -37,7 +38,8 @@ def _seq(out=(), prompt=(1, 2), **params) -> Sequence:
     ({"allowed_token_ids": []}, "allowed_token_ids"), ({"allowed_token_ids": [-1]}, "allowed_token_ids"),
     ({"allowed_token_ids": 5}, "allowed_token_ids"), ({"include_stop_str_in_output": 1}, "include_stop_str_in_output"),
     ({"skip_special_tokens": "no"}, "skip_special_tokens"), ({"prompt_logprobs": 21}, "prompt_logprobs"),
-    ({"prompt_logprobs": True}, "prompt_logprobs"),
+    ({"prompt_logprobs": True}, "prompt_logprobs"), ({"n": 3, "best_of": 2}, "best_of"),
+    ({"best_of": 129}, "best_of"), ({"best_of": 2, "temperature": 0.0}, "best_of"),
 ])
 def test_bad_params_name_the_parameter(kwargs, param):
     with pytest.raises(InvalidParameterError) as e:
@@ -240,6 +242,24 @@ def test_n_choices_share_the_prompt_and_match_single_requests(default_llm):
     for i, o in enumerate(out.outputs):
         single = default_llm.generate(prompt, SamplingParams(max_tokens=12, temperature=1.0, seed=11 + i))[0]
         assert single.token_ids == o.token_ids
+
+
+def test_best_of_returns_the_choices_with_the_highest_cumulative_logprob(default_llm):
+    prompt = "The old lighthouse keeper climbed the stairs every evening, and"
+    kw = dict(max_tokens=10, temperature=1.2, seed=5)
+    every = default_llm.generate(prompt, SamplingParams(n=5, logprobs=0, **kw))[0].outputs
+    sums = [math.fsum(o.logprobs) for o in every]
+    assert [o.cumulative_logprob for o in every] == sums
+    want = sorted(range(5), key=lambda i: -sums[i])[:2]
+    assert want != [0, 1] and len({sums[i] for i in want}) == 2  # a real ranking, not the first n
+    best = default_llm.generate(prompt, SamplingParams(n=2, best_of=5, **kw))[0]
+    assert [o.token_ids for o in best.outputs] == [every[i].token_ids for i in want]
+    assert [o.index for o in best.outputs] == [0, 1] and best.token_ids == best.outputs[0].token_ids
+    # ranked on logprobs computed for the purpose, not shown where not asked for
+    assert all(o.logprobs is None and o.cumulative_logprob == sums[i] for o, i in zip(best.outputs, want))
+    # best_of = n returns every choice in order
+    same = default_llm.generate(prompt, SamplingParams(n=5, best_of=5, **kw))[0].outputs
+    assert [o.token_ids for o in same] == [o.token_ids for o in every]
 
 
 def test_min_tokens_and_logit_bias_end_to_end(default_llm):

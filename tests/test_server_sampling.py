@@ -3,6 +3,7 @@ n choices (plain and streamed), penalties and logit_bias, and the fields refused
 or ignored. The official openai client's `beta.chat.completions.parse` with a pydantic
 model is run against `headwise serve` on the default model."""
 import json
+import math
 import time
 
 import httpx
@@ -383,3 +384,23 @@ def test_a_batch_with_a_bad_prompt_runs_none_of_it(server, prompt, code):
             return
         time.sleep(0.05)
     raise AssertionError(f"still running: {running}")
+
+
+def test_best_of_returns_the_best_n_of_a_batch(server):
+    # Each prompt's best_of choices are its n=best_of choices with the same seeds; the
+    # best n by cumulative logprob come back, in order, indexed k * n + j; usage counts
+    # every choice sampled.
+    prompts = ["Once upon a time", "The recipe starts with"]
+    body = {"prompt": prompts, "max_tokens": 6, "temperature": 1.3, "seed": 3}
+    every = _complete(server, **body, n=4, logprobs=0).json()["choices"]
+    sums = [math.fsum(c["logprobs"]["token_logprobs"]) for c in every]
+    want = [k * 4 + j for k in range(2) for j in sorted(range(4), key=lambda j: -sums[k * 4 + j])[:2]]
+    assert want != [0, 1, 4, 5]  # a real ranking, not the first n
+    r = _complete(server, **body, n=2, best_of=4).json()
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert [c["text"] for c in r["choices"]] == [every[i]["text"] for i in want]
+    assert all(c["logprobs"] is None for c in r["choices"])  # not asked for
+    asked = _complete(server, **body, n=2, best_of=4, logprobs=0).json()["choices"]
+    assert [c["logprobs"]["token_logprobs"] for c in asked] == [every[i]["logprobs"]["token_logprobs"] for i in want]
+    alone = _complete(server, **body, n=4).json()
+    assert r["usage"] == alone["usage"] | {"prompt_tokens_details": r["usage"]["prompt_tokens_details"]}

@@ -298,8 +298,8 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             for u in per_choice[start]:
                 replies[k].see(0, u)
         out = []
-        for i, upds in enumerate(per_choice):
-            reply = replies[choices.part_of(i)[0]]
+        for i in choices.returned(per_choice):
+            upds, reply = per_choice[i], replies[choices.part_of(i)[0]]
             lead, lead_lp = reply.lead()
             text, lp = reply.body(upds)
             if lead_lp is not None:
@@ -309,9 +309,9 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 msg, reason = reply.message(text, reason)
                 if lead:
                     msg["content"] = lead + (msg["content"] or "")
-                choice = {"index": i, "message": msg, "logprobs": lp}
+                choice = {"index": len(out), "message": msg, "logprobs": lp}
             else:
-                choice = {"index": i, "text": lead + text, "logprobs": lp}
+                choice = {"index": len(out), "text": lead + text, "logprobs": lp}
                 if asked_prompt_lp:
                     choice["prompt_logprobs"] = reply.prompt_field()
             choice["finish_reason"] = reason

@@ -8,6 +8,7 @@ seed (SamplingParams.for_choice).
 from __future__ import annotations
 
 import asyncio
+import math
 from typing import AsyncIterator, Awaitable, Callable
 
 from headwise.sampling import SamplingParams
@@ -22,7 +23,7 @@ class Choices:
         self.submit = submit        # (params, request id) -> stream; raises APIError when refused
         self.params = params
         self.request_id = request_id
-        self.n = params.n
+        self.n = params.choices     # streams: best_of of them where given (the best n returned)
         self.streams: list[RequestStream] = []
         self._merged: asyncio.Queue[tuple[int, Update]] = asyncio.Queue()
         self._pumps: list[asyncio.Task] = []
@@ -82,13 +83,22 @@ class Choices:
 class ChoiceBatch:
     """Several prompts' Choices (a completions request with a list of prompts) as one
     stream of (index, Update): prompt k's choice j has index k * n + j, as in OpenAI's and
-    vLLM's responses."""
+    vLLM's responses (with best_of > n, k * best_of + j, until the best are chosen)."""
 
     def __init__(self, parts: list[Choices], request_id: str) -> None:
         self.parts = parts
         self.request_id = request_id
         self.n = sum(p.n for p in parts)
         self.starts = [sum(p.n for p in parts[:k]) for k in range(len(parts))]
+
+    def returned(self, per_choice: list[list[Update]]) -> list[int]:
+        """The indices of the choices a finished request returns, in order: every one, or
+        per prompt the best n by cumulative logprob where best_of > n."""
+        out = []
+        for part, start in zip(self.parts, self.starts):
+            cumulative = [math.fsum(lp for u in per_choice[start + j] for lp in u.logprobs) for j in range(part.n)]
+            out += [start + j for j in part.params.best(cumulative)]
+        return out
 
     def part_of(self, i: int) -> tuple[int, int]:
         """(prompt, its choice) of index i."""

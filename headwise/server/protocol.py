@@ -6,7 +6,7 @@ Types are strict, as OpenAI's API is: a boolean is not an integer, a string is n
 number, NaN and Infinity are refused. Fields this server does not know are ignored (as
 vLLM does), so clients written for OpenAI's API keep working. Fields it knows but does not
 support are refused by name when they would change the output (UNSUPPORTED: functions,
-best_of, ...); the ones that change nothing here
+use_beam_search, ...); the ones that change nothing here
 (IGNORED) are accepted and ignored. docs/api.md lists both.
 """
 from __future__ import annotations
@@ -377,9 +377,8 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         if getattr(req, name) != default:
             raise bad(f"{name} is not supported by this server", name, "unsupported_parameter")
     if not chat:
-        if req.best_of is not None and req.best_of != (req.n or 1):
-            raise bad("best_of other than n is not supported (as in vLLM's v1 engine)", "best_of",
-                      "unsupported_parameter")
+        if req.best_of is not None and req.best_of > (req.n or 1) and req.stream:
+            raise bad("best_of > n cannot be streamed: the best choices are known only at the end", "best_of")
         if req.max_tokens == 0 and not req.echo:
             raise bad("max_tokens 0 needs echo (the prompt scored, nothing generated)", "max_tokens")
         if req.suffix is not None and req.echo:
@@ -409,7 +408,7 @@ def generation(req: CompletionRequest | ChatCompletionRequest, *, chat: bool,
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
         seed=req.seed, stop=req.stop, logprobs=logprobs, ignore_eos=req.ignore_eos,
-        stop_token_ids=req.stop_token_ids or [], n=req.n or 1,
+        stop_token_ids=req.stop_token_ids or [], n=req.n or 1, best_of=None if chat else req.best_of,
         min_p=req.min_p or 0.0, presence_penalty=req.presence_penalty or 0.0,
         frequency_penalty=req.frequency_penalty or 0.0,
         repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
@@ -497,8 +496,9 @@ def completion_prompts(req: CompletionRequest) -> list["str | list[int]"]:
     prompts = [p] if one else list(p)
     if not prompts:
         raise bad("the prompt is empty", "prompt")
-    if len(prompts) * (req.n or 1) > MAX_PROMPTS:
-        raise bad(f"{len(prompts)} prompts x n={req.n or 1} choices is more than {MAX_PROMPTS} in one request",
+    choices = max(req.n or 1, req.best_of or 1)
+    if len(prompts) * choices > MAX_PROMPTS:
+        raise bad(f"{len(prompts)} prompts x {choices} choices is more than {MAX_PROMPTS} in one request",
                   "prompt")
     if any(not q for q in prompts):
         raise bad("the prompt is empty" if one else "a prompt of the batch is empty", "prompt")
