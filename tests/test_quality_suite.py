@@ -134,6 +134,7 @@ def test_verdict_equal_and_not_equal():
     assert v.equal and v.lost == 0 and v.ref_passed == 15
     v = quality.compare(ref + worse, "full", "b")
     assert not v.equal and not v.cells[0].equal and v.lost == 4
+    assert v.lost_prompts == [("number", 1024, 0.75, 2)] + [("number", 1024, 1.0, i) for i in range(3)]
     # inside every cell's interval, but losing more than 2% of the prompts full passes
     many = [r for L in (1024, 2048, 4096) for f in ("number", "phrase") for r in _records("full", [1.0] * 15, f, L)]
     one_each = [r for L in (1024, 2048, 4096) for f in ("number", "phrase")
@@ -142,6 +143,7 @@ def test_verdict_equal_and_not_equal():
     assert all(c.equal for c in v.cells) and v.lost == 6 and not v.equal
     text = quality.report(ref + same + worse, "full")
     assert "below" in text and "NOT equal" in text and "EQUAL to full" in text
+    assert "lost: number@1024 depth 75% seed 2, number@1024 depth 100% seed 0," in text
     # perplexity: a figure only where both were measured on the same source and length
     assert text.count("perplexity not compared") == 2
     ppl = [quality.SuiteRecord(name, "ppl:pydoc", 1024, None, 0, x) for name, x in (("full", 10.0), ("a", 10.5))]

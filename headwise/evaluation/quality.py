@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from headwise.evaluation import tasks
@@ -116,6 +116,7 @@ class Verdict:
     ref_passed: int      # prompts the reference passes
     lost: int            # of those, the prompts this layout fails
     ppl: dict[tuple[str, int], tuple[float, float]]  # (source, length) -> (reference, layout)
+    lost_prompts: list[tuple[str, int, float, int]] = field(default_factory=list)  # (family, length, depth, seed)
 
     @property
     def lost_fraction(self) -> float:
@@ -147,13 +148,13 @@ def compare(records: list[SuiteRecord], ref: str, layout: str) -> Verdict:
         rm = sum(a[k] for k in ks) / len(ks)
         cells.append(Cell(fam, length, len(ks), rm, wilson(rm, len(ks)), sum(b[k] for k in ks) / len(ks)))
     passed = [k for k in keys if a[k] >= 1.0]
-    lost = sum(b[k] < 1.0 for k in passed)
+    lost = [k for k in passed if b[k] < 1.0]
     def ppl_of(name: str) -> dict[tuple[str, int], float]:
         return {(r.family[4:], r.length): r.score for r in records if r.layout == name and r.family.startswith("ppl:")}
 
     ppl_ref, ppl_lay = ppl_of(ref), ppl_of(layout)
     ppl = {k: (ppl_ref[k], v) for k, v in ppl_lay.items() if k in ppl_ref}
-    return Verdict(layout, cells, len(passed), lost, ppl)
+    return Verdict(layout, cells, len(passed), len(lost), ppl, lost)
 
 
 def layouts_of(records: list[SuiteRecord]) -> list[str]:
@@ -184,8 +185,15 @@ def report(records: list[SuiteRecord], ref: str) -> str:
                      f"{sum(not c.equal for c in v.cells)} of {len(v.cells)} cells below the interval; "
                      f"fails {v.lost} of the {v.ref_passed} prompts {ref} passes ({v.lost_fraction:.1%}, "
                      f"limit {MAX_LOST:.0%}); mean score {v.mean:.1%} ({ref} "
-                     f"{sum(c.ref_mean for c in v.cells) / max(1, len(v.cells)):.1%}); {ppl}")
+                     f"{sum(c.ref_mean for c in v.cells) / max(1, len(v.cells)):.1%}); {ppl}"
+                     + (f"; lost: {', '.join(_named(k) for k in v.lost_prompts)}" if v.lost_prompts else ""))
     return "\n".join(lines)
+
+
+def _named(key: tuple[str, int, float, int]) -> str:
+    """A prompt's name in a report: family@length depth% seed."""
+    fam, length, depth, seed = key
+    return f"{fam}@{length} depth {depth:.0%} seed {seed}"
 
 
 def save(records: list[SuiteRecord], path: str | Path) -> None:
