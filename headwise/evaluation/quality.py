@@ -15,7 +15,7 @@ import json
 import math
 import os
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from headwise.evaluation import tasks
@@ -114,9 +114,12 @@ class Verdict:
     layout: str
     cells: list[Cell]
     ref_passed: int      # prompts the reference passes
-    lost: int            # of those, the prompts this layout fails
+    lost_prompts: list[tuple[str, int, float, int]]  # of those, the ones this layout fails: (family, length, depth, seed)
     ppl: dict[tuple[str, int], tuple[float, float]]  # (source, length) -> (reference, layout)
-    lost_prompts: list[tuple[str, int, float, int]] = field(default_factory=list)  # (family, length, depth, seed)
+
+    @property
+    def lost(self) -> int:
+        return len(self.lost_prompts)
 
     @property
     def lost_fraction(self) -> float:
@@ -154,7 +157,7 @@ def compare(records: list[SuiteRecord], ref: str, layout: str) -> Verdict:
 
     ppl_ref, ppl_lay = ppl_of(ref), ppl_of(layout)
     ppl = {k: (ppl_ref[k], v) for k, v in ppl_lay.items() if k in ppl_ref}
-    return Verdict(layout, cells, len(passed), len(lost), ppl, lost)
+    return Verdict(layout, cells, len(passed), lost, ppl)
 
 
 def layouts_of(records: list[SuiteRecord]) -> list[str]:

@@ -150,14 +150,13 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     for spec in run:
         lay = resolve_layout(spec, shape, cfg.name, native=native)
         name = _name(spec, lay) + tag
-        wanted = quality.prompts(families, lengths, seeds)
+        wanted = quality.prompts(families, lengths, seeds)  # (family, length, depth, seed), by length then family
         skip = {p for p in wanted if (name, *p) in held}
-        missing = len(wanted) - len(skip)
-        work = [(L, f) for L in lengths for f in families
-                if any(p not in skip for p in quality.prompts([f], [L], seeds))]
+        missing = [p for p in wanted if p not in skip]
+        work = list(dict.fromkeys((L, f) for f, L, _, _ in missing))
         work += [(L, "ppl") for L in lengths if (name, L) not in ppl_done]
         if work:
-            todo.append((name, lay, work, skip, missing))
+            todo.append((name, lay, work, skip, len(missing)))
     bar = tqdm(total=sum(t[-1] for t in todo), desc="quality suite", unit="prompt")
     for name, lay, work, skip, _ in todo:
         llm = LLM(model, **{**opts, "head_layout": lay})
