@@ -118,7 +118,8 @@ def test_tool_calls_and_fill_in_the_middle(qwen):
     history = ask + [{"role": "assistant", "content": "", "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
         {"role": "tool", "tool_call_id": "c1", "content": "18 C and sunny"}]
-    from headwise.server.protocol import ChatMessage, chat_messages
+    from headwise.server.inputs import chat_messages
+    from headwise.server.protocol import ChatMessage
     from headwise.tokenizer import ChatOptions
 
     text = llm.tokenizer.apply_chat_template(chat_messages([ChatMessage(**m) for m in history]),

@@ -18,7 +18,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import headwise
 from headwise.engine.llm_engine import LLMEngine, PromptTooLongError, check_params
 from headwise.engine.scheduler import QueueFullError
-from headwise.server import protocol as P
+from headwise.server import inputs, protocol as P
 from headwise.errors import InvalidParameterError
 from headwise.sampling import SamplingParams
 from headwise.server.async_engine import AsyncEngine
@@ -111,7 +111,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                              "context_length_exceeded")
 
     async def _chat_ids(messages: list[P.ChatMessage], options: ChatOptions | None = None) -> list[int]:
-        msgs = P.chat_messages(messages)
+        msgs = inputs.chat_messages(messages)
         _refuse_long_text(sum(len(m["content"]) for m in msgs), "messages")
         try:
             return await asyncio.to_thread(tok.encode_chat, msgs, options)
@@ -133,7 +133,7 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
     @api.post("/tokenize", response_model=P.TokenizeResponse)
     async def tokenize(req: P.TokenizeRequest):
         if req.messages is not None:
-            ids = await _chat_ids(req.messages, P.chat_options(req))
+            ids = await _chat_ids(req.messages, inputs.chat_options(req))
         elif req.prompt is not None:
             _refuse_long_text(len(req.prompt), "prompt")
             ids = await asyncio.to_thread(tok.encode, req.prompt, req.add_special_tokens)
@@ -147,12 +147,12 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
             raise P.bad(f"tokens must be a list of token ids in [0, {vocab})", "tokens")
         return {"prompt": tok.decode(req.tokens, skip_special_tokens=False)}
 
-    def _check_model(req: P.GenerationRequest) -> None:
+    def _check_model(req: inputs.GenerationRequest) -> None:
         if req.model is not None and req.model != name:
             raise P.APIError(400, f"the model {req.model!r} does not exist; this server serves {name!r}",
                              "model", "model_not_found")
 
-    async def _start(ids: list[int], req: P.GenerationRequest, chat: bool, request_id: str) -> Choices:
+    async def _start(ids: list[int], req: inputs.GenerationRequest, chat: bool, request_id: str) -> Choices:
         """Check a prompt against the model and submit its first choice."""
         if chat and not req.max_tokens_given:
             req.params.max_tokens = max(1, model.max_model_len - len(ids))
@@ -267,14 +267,15 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
                 yield f"data: {json.dumps(e.body())}\n\n"
             finished = True
             if include_usage and len(lasts) == choices.n:
-                yield chunk({}, total_usage([lasts[i] for i in range(choices.n)], choices.starts, replies[0].prompt_only))
+                usage = total_usage([lasts[i] for i in range(choices.n)], choices.starts, replies[0].prompt_only)
+                yield chunk({}, usage)
             yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away mid-stream
                 choices.abort()
 
-    async def _respond(request: Request, prompts: list[tuple[list[int], str]], req: P.GenerationRequest, chat: bool,
-                       asked_prompt_lp: bool = False, tools: ToolPlan | None = None):
+    async def _respond(request: Request, prompts: list[tuple[list[int], str]], req: inputs.GenerationRequest,
+                       chat: bool, asked_prompt_lp: bool = False, tools: ToolPlan | None = None):
         """`prompts`: (token ids, the text that leads each of its choices' replies: the
         request's `echo`); asked_prompt_lp: the request's own prompt_logprobs (not only
         echo's need of them); tools: the request's tool plan (chat)."""
@@ -327,10 +328,10 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
               responses={200: {"model": P.CompletionResponse,
                                "description": "JSON, or server-sent events ending with data: [DONE]"}})
     async def completions(req: P.CompletionRequest, request: Request):
-        gen = P.generation(req, chat=False, default_max_tokens=16)
+        gen = inputs.generation(req, chat=False, default_max_tokens=16)
         _check_model(gen)
         prompts = []
-        for prompt in P.completion_prompts(req):
+        for prompt in inputs.completion_prompts(req):
             ids = prompt
             if req.suffix is not None:  # fill in the middle: the prompt is what comes before
                 if not isinstance(prompt, str):
@@ -355,16 +356,16 @@ def create_app(engine: LLMEngine | EngineClient, served_model_name: str | None =
               responses={200: {"model": P.ChatCompletionResponse,
                                "description": "JSON, or server-sent events ending with data: [DONE]"}})
     async def chat_completions(req: P.ChatCompletionRequest, request: Request):
-        gen = P.generation(req, chat=True, default_max_tokens=None)
+        gen = inputs.generation(req, chat=True, default_max_tokens=None)
         _check_model(gen)
-        tools = P.tool_plan(req, tok.chat_template)
+        tools = inputs.tool_plan(req, tok.chat_template)
         if tools is not None and tools.schema is not None:
-            gen.params.structured_outputs = P.tool_constraint(tools)
+            gen.params.structured_outputs = inputs.tool_constraint(tools)
         if tools is not None and tools.mode == "auto":
             # The call tags may be special tokens (Qwen2.5's GGUF): kept in the text to be parsed.
             gen.params.skip_special_tokens = False
-        ids = _truncated(await _chat_ids(req.messages, P.chat_options(req, tools)), gen.truncate_prompt_tokens)
-        return await _respond(request, [(ids, P.chat_echo(req))], gen, chat=True,
+        ids = _truncated(await _chat_ids(req.messages, inputs.chat_options(req, tools)), gen.truncate_prompt_tokens)
+        return await _respond(request, [(ids, inputs.chat_echo(req))], gen, chat=True,
                               asked_prompt_lp=req.prompt_logprobs is not None, tools=tools)
 
     app.include_router(api)

@@ -4,7 +4,7 @@ usage. Plain functions of the tokenizer and the engine's Updates; the app stream
 returns what they make."""
 from __future__ import annotations
 
-from headwise.server import protocol as P
+from headwise.server import inputs
 from headwise.server.engine_client import Update
 from headwise.server.tool_calls import StreamParser, ToolPlan, parse as parse_tools
 from headwise.tokenizer import Tokenizer
@@ -89,7 +89,7 @@ class Reply:
     echo: it is not), the prompt's logprobs in vLLM's form where asked for, and tool
     calls. The prompt's logprobs come with choice 0's first update."""
 
-    def __init__(self, lp: Logprobs, ids: list[int], req: P.GenerationRequest, chat: bool, echo: str,
+    def __init__(self, lp: Logprobs, ids: list[int], req: inputs.GenerationRequest, chat: bool, echo: str,
                  asked_prompt_lp: bool, tools: ToolPlan | None) -> None:
         self.lp, self.ids, self.chat, self.echo = lp, ids, chat, echo
         # tool calls are parsed out of the reply (not for "none", whose tools were not shown)
