@@ -3,7 +3,8 @@
 cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_prefill.c
 (causal prefill attention in bfloat16 on AVX512-BF16 CPUs), cpu_pointwise.c
 (RMSNorm and the rotary embedding, used by headwise.kernels.pointwise), cpu_matmul.c
-(decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul) and cpu_weights.c
+(decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul), cpu_gemm.c
+(matmuls of any row count over 4-bit weights, headwise.kernels.int4_gemm) and cpu_weights.c
 (weights' codes at start-up, headwise.kernels.weight_codes) are each compiled
 once per source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3
 -march=native -fopenmp, and without OpenMP where the compiler lacks it: one thread) into
@@ -179,6 +180,16 @@ def matmul_library() -> ctypes.CDLL | None:
         lib.int8_matmul.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _i64, _ptr, _ptr, _i64, _i64, _i64,
                                     _ptr, _i64, ctypes.c_int, ctypes.c_int]
         lib.int8_matmul.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def gemm_library() -> ctypes.CDLL | None:
+    """The matmul over 4-bit codes for any row count (cpu_gemm.c), or None."""
+    lib = _load("cpu_gemm")
+    if lib is not None:
+        lib.int4_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int]
+        lib.int4_gemm.restype = ctypes.c_int
     return lib
 
 
