@@ -127,23 +127,24 @@ int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t
         uint16_t *scratch = aligned_alloc(64, KT * NB * sizeof(uint16_t));
         float *acc = aligned_alloc(64, sizeof(float) * M * NB);
         failed = !scratch || !acc;
-        if (!failed) {
-            #pragma omp for schedule(static)
-            for (int64_t i = 0; i < N / NB; i++) {
-                const uint8_t *blk = codes + i * NB * K / 2;
-                memset(acc, 0, sizeof(float) * M * NB);
-                for (int64_t k0 = 0; k0 < K; k0 += KT) {
-                    const int64_t kt = K - k0 < KT ? K - k0 : KT;
-                    dequant_tile(blk, sz + i * NB * 2, N, k0, kt, scratch);
-                    for (int64_t m0 = 0; m0 < M; m0 += MT)
-                        micro_any(x + m0 * sx + k0, sx, M - m0 < MT ? (int)(M - m0) : MT, scratch, kt,
-                                  acc + m0 * NB);
-                }
-                for (int64_t m = 0; m < M; m++)
-                    for (int g = 0; g < 4; g++)
-                        _mm256_storeu_si256((__m256i *)(y + m * sy + i * NB + g * 16),
-                                            (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + m * NB + g * 16)));
+        /* Every thread meets the loop (a worksharing loop some threads skip would hang);
+         * one without its buffers leaves its blocks unwritten and the call fails. */
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < N / NB; i++) {
+            if (failed)
+                continue;
+            const uint8_t *blk = codes + i * NB * K / 2;
+            memset(acc, 0, sizeof(float) * M * NB);
+            for (int64_t k0 = 0; k0 < K; k0 += KT) {
+                const int64_t kt = K - k0 < KT ? K - k0 : KT;
+                dequant_tile(blk, sz + i * NB * 2, N, k0, kt, scratch);
+                for (int64_t m0 = 0; m0 < M; m0 += MT)
+                    micro_any(x + m0 * sx + k0, sx, M - m0 < MT ? (int)(M - m0) : MT, scratch, kt, acc + m0 * NB);
             }
+            for (int64_t m = 0; m < M; m++)
+                for (int g = 0; g < 4; g++)
+                    _mm256_storeu_si256((__m256i *)(y + m * sy + i * NB + g * 16),
+                                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + m * NB + g * 16)));
         }
         free(scratch);
         free(acc);
