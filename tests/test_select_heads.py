@@ -11,7 +11,7 @@ from headwise import LLM, HeadLayout, SamplingParams
 from headwise.cache.manager import KVCacheManager
 from headwise.heads import select
 from headwise.heads.layout import HeadSpec, LayoutError
-from headwise.kernels import cpu_kernels
+from headwise.kernels import cpu_kernels, page_select
 from headwise.layers.kv_tensor import KVTensor
 
 BS = 16  # block size (the engine's default)
@@ -298,7 +298,7 @@ def test_summary_refresh_kernel_equals_pytorch(dtype):
     keys = pool[1:].view(n, blocks, BS, D)[:, 4]  # [n, BS, D]
     assert torch.equal(summaries[0][4], torch.stack((keys.amin(1), keys.amax(1)), 1))
     assert (summaries[0][[0, 1, 3, 5, 6, 8, 9]] == 99).all()
-    assert cpu_kernels.refresh_summaries(k.data, written, BS, summaries[0])  # the kernel took it
+    assert page_select.refresh_summaries(k.data, written, BS, summaries[0])  # the kernel took it
 
 
 @pytest.mark.parametrize("kernel", [True, False])
@@ -319,7 +319,7 @@ def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
     assert K == 4 and select.page_count([60, 33], W, BS, 4, 20, 64) is None  # 4 pages or fewer: all
     sel, sel_lens = select.select_pages(q, summary, tables, lens, BS, 4, 20, 64, K, use_kernel=kernel)
     if kernel:  # the C kernel took these inputs (select_pages would fall back to PyTorch)
-        assert cpu_kernels.select_pages(q, summary, tables, lens, BS, 4, 20, 64 // BS, K) is not None
+        assert page_select.select_pages(q, summary, tables, lens, BS, 4, 20, 64 // BS, K) is not None
     assert sel.shape == (n, B, 4) and sel_lens.shape == (n, B)
     for h in range(n):
         assert sel[h].stride(-1) == 1 and sel_lens[h].stride(0) == 1

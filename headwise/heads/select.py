@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from headwise.heads.base import LayoutError, register
 from headwise.heads.full import FullHeads
-from headwise.kernels import cpu_kernels
+from headwise.kernels import page_select
 from headwise.kernels.cpu_kernels import usable
 from headwise.layers.kv_tensor import KVTensor, dequantize
 from headwise.layers.torch_attention import pool_call
@@ -112,7 +112,7 @@ def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: 
     Rows past a partial block's fill hold stale keys: the bound they give is looser,
     never lower (and a sequence's last page is always attended anyway). On the CPU the C
     kernel (kernels/cpu_select.c) does it in one call for plainly stored keys."""
-    if group.k.scale is None and use_kernel and cpu_kernels.refresh_summaries(group.k.data, blocks, block_size,
+    if group.k.scale is None and use_kernel and page_select.refresh_summaries(group.k.data, blocks, block_size,
                                                                              group.summary):
         return
     n, D = group.k.shape[0], group.k.shape[-1]
@@ -166,7 +166,7 @@ def select_pages(q: torch.Tensor, summary: torch.Tensor, tables: torch.Tensor, l
     kernel (kernels/cpu_select.c) does it in one call."""
     B, W = tables.shape
     if use_kernel:
-        picked = cpu_kernels.select_pages(q, summary, tables, lens, block_size, sink, window,
+        picked = page_select.select_pages(q, summary, tables, lens, block_size, sink, window,
                                           budget // block_size, K)
         if picked is not None:
             return picked
