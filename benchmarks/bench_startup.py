@@ -6,7 +6,9 @@
   machine's, copied from the real cache directory (they are built once per machine, by
   whichever model starts first; a first build is timed on its own, "C kernels built");
 - warm: the same directory again, the prepared weights read from it;
-- llama.cpp: llama-cpp-python's Llama() on the same file, flash attention on.
+- llama.cpp: llama-cpp-python's Llama() on the same file, flash attention on;
+- with --codes-only, cold and warm again with dense_weights=False (4-bit weights kept as
+  their codes alone, no prepacked bfloat16 copy: layers/linear.py), in a cache of their own.
 
 Figures: seconds to an engine ready for requests, with the decode step compiling in the
 background (compile_in_background=True; a plain LLM() waits for it); the compile's own
@@ -16,7 +18,7 @@ and over the whole run. Import time is reported apart ("import headwise": torch 
 package).
 
     python benchmarks/bench_startup.py [--models smollm2-135m-instruct,gemma-3-270m,...]
-        [--out bench/startup.json]
+        [--codes-only] [--out bench/startup.json]
 """
 from __future__ import annotations
 
@@ -50,7 +52,8 @@ t1 = time.perf_counter()
 """
 
 HEADWISE_CHILD = PRELUDE.replace("IMPORT", "from headwise import LLM, SamplingParams") + r"""
-llm = LLM(sys.argv[1], kv_cache_memory=1 << 27, max_num_seqs=1, compile_in_background=True)
+llm = LLM(sys.argv[1], kv_cache_memory=1 << 27, max_num_seqs=1, compile_in_background=True,
+          dense_weights=sys.argv[3] == "dense")
 ready = time.perf_counter() - t1
 rss_ready = hwm()
 out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=8, temperature=0))[0]
@@ -98,6 +101,8 @@ def child(code: str, args: list[str], env: dict) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--codes-only", action="store_true",
+                    help="also cold and warm starts with dense_weights=False")
     ap.add_argument("--out", default="bench/startup.json")
     args = ap.parse_args()
 
@@ -114,12 +119,15 @@ def main() -> None:
     for name in args.models.split(","):
         path = str(resolve_model_path(name).resolve())
         size_mib = Path(path).stat().st_size / 2**20
-        with tempfile.TemporaryDirectory(prefix="headwise-startup-") as cache:
-            if kernels is not None:
-                shutil.copytree(kernels["dir"], Path(cache) / "kernels")
-            cenv = dict(env, HEADWISE_CACHE_DIR=cache)
-            runs = {"cold": child(HEADWISE_CHILD, [path, PROMPT], cenv),
-                    "warm": child(HEADWISE_CHILD, [path, PROMPT], cenv)}
+        runs = {}
+        for weights in ["dense", "codes"] if args.codes_only else ["dense"]:
+            with tempfile.TemporaryDirectory(prefix="headwise-startup-") as cache:
+                if kernels is not None:
+                    shutil.copytree(kernels["dir"], Path(cache) / "kernels")
+                cenv = dict(env, HEADWISE_CACHE_DIR=cache)
+                tag = "" if weights == "dense" else " (codes only)"
+                for start in ("cold", "warm"):
+                    runs[start + tag] = child(HEADWISE_CHILD, [path, PROMPT, weights], cenv)
         runs["llama.cpp"] = child(LLAMA_CHILD, [path, PROMPT], env)
         results[name] = {"file_mib": size_mib, **runs}
         for mode, r in runs.items():

@@ -17,11 +17,12 @@ class Skip(Exception):
 
 class HeadwiseSystem:
     def __init__(self, name: str, model: str | None, layout, max_context: int, dtype: str,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", dense_weights: bool = True) -> None:
         from headwise import LLM
 
         self.name, self.model, self.layout = name, model, layout
-        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192, dtype=dtype, kv_cache_dtype=kv_cache_dtype)
+        self.opts = dict(head_layout=layout, max_num_batched_tokens=8192, dtype=dtype, kv_cache_dtype=kv_cache_dtype,
+                         dense_weights=dense_weights)
         self.llm = LLM(model, kv_cache_memory=1 << 30, **self.opts)
         self.max_len = self.llm.engine.max_model_len
 
@@ -216,6 +217,8 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
         if lay is None:
             raise Skip("no layout with select heads ships for this model (headwise calibrate --select-from)")
         return HeadwiseSystem(name, model, lay, max_context, dtype)
+    if name == "headwise-codes":  # the engine's default layout, 4-bit weights kept as codes only
+        return HeadwiseSystem(name, model, layout, max_context, dtype, dense_weights=False)
     if name == "headwise-native":
         return HeadwiseSystem(name, model, "native", max_context, dtype)
     if name.startswith("headwise@"):  # headwise@LAYOUT.json: a layout of one's own, named by its file

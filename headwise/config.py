@@ -94,6 +94,10 @@ class EngineConfig:
                                         "decode copies) under the cache directory, so the next start with "
                                         "the same dtype and layout skips loading and preparing (safe to "
                                         "delete: $HEADWISE_CACHE_DIR/prepared)", bool)
+    dense_weights: bool = _opt(True, "keep a prepacked bfloat16 copy of each 4-bit weight beside its codes "
+                               "(prefill multiplies with it; about 3x the codes' bytes); "
+                               "--no-dense-weights: every matmul of a 4-bit weight reads its codes "
+                               "(bfloat16 on the CPU only)", bool)
     kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "
                                       "memory are written there and read back instead of recomputed, "
                                       "also by a later process", str)
@@ -119,6 +123,8 @@ class EngineConfig:
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.compile_in_background, bool):
             raise ConfigError(f"compile_in_background must be True or False, got {self.compile_in_background!r}")
+        if not isinstance(self.dense_weights, bool):
+            raise ConfigError(f"dense_weights must be True or False, got {self.dense_weights!r}")
         if not isinstance(self.prepared_weights_cache, bool):
             raise ConfigError(f"prepared_weights_cache must be True or False, got {self.prepared_weights_cache!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
@@ -136,6 +142,10 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
+        if not self.dense_weights and (dev.type != "cpu" or self.dtype == "float32"):
+            raise ConfigError("dense_weights=False keeps 4-bit weights as codes for the CPU's int4 kernels, "
+                              f"with bfloat16 compute; device {self.device!r}, dtype {self.dtype!r} keep the "
+                              "dense weights (leave dense_weights on)")
         if self.kv_cache_dtype == "fp8_e4m3" and dev.type != "cuda":
             raise ConfigError("kv_cache_dtype='fp8_e4m3' needs a CUDA device; on the CPU use int8 "
                               f"(choices: {list(KV_CACHE_DTYPES)})")

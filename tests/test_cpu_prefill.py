@@ -95,6 +95,21 @@ def test_rows_after_the_first_ignore_later_keys():
     assert not torch.equal(a[40:], b[40:])
 
 
+def test_keys_and_values_of_different_layouts():
+    """A step's K rotated apart from its V (the fused 4-bit q/k/v of a model kept as codes
+    only: V a view of the fused output, K a tensor of its own) is still attended by the
+    kernel, not left to PyTorch."""
+    gen = torch.Generator().manual_seed(11)
+    c, H, nkv, D = 40, 6, 2, 64
+    qkv = torch.randn(c, H + 2 * nkv, D, generator=gen).bfloat16()
+    q, v = qkv[:, :H], qkv[:, H + nkv:]
+    k = torch.randn(c, nkv, D, generator=gen).bfloat16()
+    assert k.stride() != v.stride()
+    got = cpu_kernels.prefill_attention(q, k, v, 0, 0.125, amx_too=True)
+    assert got is not None
+    assert torch.equal(got, cpu_kernels.prefill_attention(q.contiguous(), k, v.contiguous(), 0, 0.125, amx_too=True))
+
+
 @pytest.mark.parametrize("change", ["float32", "head size 32", "head size 320", "heads not grouped"])
 def test_inputs_left_to_pytorch(change):
     """The kernel declines (None) what it was not written for, and the caller keeps PyTorch's code."""

@@ -181,3 +181,81 @@ def test_default_model_decodes_with_its_4bit_weights(default_llm):
             assert lin.int4 is None and lin.packed is not None  # prefill: packed dense
     assert model.lm_head.int4 is None
 
+
+
+def _codes_only(N: int, K: int, bias: bool, seed: int) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    """A Q4_1 layer kept as its 4-bit codes alone (bfloat16), its float32 weight and bias."""
+    w = _q4_1_weight(N, K, seed=seed)[0]
+    lin = Linear(K, N, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(w)
+    b = lin.bias.detach().clone() if bias else None
+    assert lin.find_int4()
+    lin.to(torch.bfloat16)
+    lin.keep_codes_only(torch.bfloat16)
+    return lin, w, b
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_codes_only_layer_serves_every_row_count(bias):
+    """dense_weights=False (CausalLM.prepare_weights(dense=False)): no dense weight is kept,
+    and every call, prefill-sized too, multiplies with the codes."""
+    lin, w, b = _codes_only(128, 96, bias, seed=3)
+    assert lin.codes_only and lin.weight is None and lin.packed is None
+    for rows in (1, INT4_MAX_ROWS, INT4_MAX_ROWS + 1, 40, 130):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        other = torch.randn(rows, 128).to(torch.bfloat16)
+        ref = F.linear(x.float(), w, b)
+        tol = 0.02 * ref.abs().max().item()  # bfloat16 scales and outputs
+        assert (lin(x).float() - ref).abs().max().item() < tol, rows
+        assert (lin(x, act="silu").float() - F.silu(ref)).abs().max().item() < tol, rows
+        assert (lin.times(x, other).float() - ref * other.float()).abs().max().item() < 3 * tol, rows
+    torch.testing.assert_close(lin.dense_weight().float(), w, atol=0.02 * w.abs().max().item(), rtol=0)
+    # Leading dimensions are kept.
+    x3 = torch.randn(2, 5, 96).to(torch.bfloat16)
+    assert lin(x3).shape == (2, 5, 128)
+
+
+def test_codes_only_falls_back_to_pytorchs_int4_kernel(monkeypatch):
+    """Where kernels.int4_gemm declines (no AVX512-BF16, a torch.compile trace), calls of
+    any size run PyTorch's int4 kernel on the same codes."""
+    import headwise.layers.linear as L
+
+    lin, w, _ = _codes_only(64, 64, False, seed=4)
+    x = torch.randn(50, 64).to(torch.bfloat16)
+    with_kernel = lin(x)
+    monkeypatch.setattr(L, "int4_gemm", lambda *a: None)
+    without = lin(x)
+    ref = F.linear(x.float(), w)
+    for y in (with_kernel, without):
+        assert (y.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_keep_codes_only_needs_a_4bit_copy_and_bfloat16():
+    lin = Linear(64, 32)
+    with pytest.raises(ValueError, match="4-bit copy"):
+        lin.keep_codes_only(torch.bfloat16)  # a float weight with no 4-bit codes
+    lin, _, _ = _codes_only(32, 64, False, seed=5)
+    with pytest.raises(ValueError, match="4-bit copy"):
+        Linear(64, 32).keep_codes_only(torch.float32)
+
+
+def test_fused_int4_kept_as_codes_only_serves_prefill():
+    from headwise.layers.linear import FusedInt4
+
+    parts = [Linear(64, n, bias=True) for n in (64, 32, 32)]
+    with torch.no_grad():
+        for i, p in enumerate(parts):
+            p.weight.copy_(_q4_1_weight(p.out_features, 64, seed=10 + i)[0])
+    ws = [p.weight.detach().clone() for p in parts]
+    bs = [p.bias.detach().clone() for p in parts]
+    fused = FusedInt4(parts)
+    fused.cast(torch.bfloat16)
+    big = torch.randn(INT4_MAX_ROWS + 7, 64).to(torch.bfloat16)
+    assert not fused.codes_only and not fused.applies(big)  # the parts still have their weights
+    fused.keep_codes_only()
+    assert fused.codes_only and fused.applies(big)
+    assert all(p.weight is None and p.packed is None for p in parts)
+    ref = F.linear(big.float(), torch.cat(ws), torch.cat(bs))
+    assert (fused(big).float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+    assert {n for n, _ in fused.named_modules()} == {""}  # the parts are not its submodules

@@ -178,7 +178,7 @@ def test_background_compile_takes_over_without_changing_tokens(tiny_models):
 
 
 def test_flags_are_checked():
-    for name in ("compile_in_background", "prepared_weights_cache"):
+    for name in ("compile_in_background", "prepared_weights_cache", "dense_weights"):
         with pytest.raises(ConfigError, match=name):
             EngineConfig(**{name: "yes"})
 
@@ -189,3 +189,38 @@ def test_tiny_hf_models_are_not_cached(tiny_models, tmp_path, monkeypatch):
     llm = LLM(str(tiny_models["llama"]), head_layout=_mixed(), kv_cache_memory=1 << 24, dtype="float32",
               block_size=4, enforce_eager=True)
     assert llm.engine.prepared is None and not cache.exists()
+
+
+def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, caplog):
+    """dense_weights=False: the 4-bit weights keep no bfloat16 copy (prefill multiplies with
+    their codes), in an entry of its own that reads back to the same tensors and tokens;
+    its greedy tokens are those of the dense copies (the weights differ by the rounding of
+    their bfloat16 scales only)."""
+    dense = entry[1].engine
+    with pytest.raises(ConfigError, match="dense_weights=False"):
+        LLM(None, dense_weights=False, dtype="float32", **OPTS)
+    if dense.dtype != torch.bfloat16:  # a CPU without AVX512-BF16: "auto" is float32 there
+        with pytest.raises(ConfigError, match="needs bfloat16"):
+            LLM(None, dense_weights=False, **OPTS)
+        return
+    first = LLM(None, dense_weights=False, **OPTS)
+    eng = first.engine
+    assert eng.prepared.key != dense.prepared.key
+    eng.prepared.writer.join()
+    lins = [m for m in eng.model.modules() if isinstance(m, P.Linear)]
+    packed = {n for n, m in eng.model.named_modules() if isinstance(m, P.Linear) and m.packed is not None}
+    # SmolLM2's projections are all Q4_1: only the vocabulary projection (Q8_0, tied) stays dense.
+    assert packed == {"lm_head"} and sum(m.codes_only for m in lins) == 60
+    size = {p.name: p.stat().st_size for p in eng.prepared.dir.iterdir()}
+    head = eng.model.lm_head.packed.to_dense()
+    assert size["dense.bin"] == head.numel() * head.element_size()  # 56.6 MB against 269 dense
+    want = _greedy(first)
+    with caplog.at_level(logging.INFO, logger="headwise.prepared"):
+        second = LLM(None, dense_weights=False, **OPTS)
+    assert any("read from" in r.message for r in caplog.records)
+    a, b = _tensors(eng.model), _tensors(second.engine.model)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert _greedy(second) == want
+    for (codes, _), (dense_ids, _) in zip(want, entry[2]):
+        assert codes[:6] == dense_ids[:6]
+    shutil.rmtree(eng.prepared.dir)

@@ -110,6 +110,9 @@ class LLMEngine:
         else:
             self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
             mcfg = read_model_config(config.model)
+        if not config.dense_weights and self.dtype != torch.bfloat16:
+            raise ConfigError(f"dense_weights=False needs bfloat16 compute; dtype {config.dtype!r} resolved to "
+                              f"{self.dtype} here (this CPU lacks AVX512-BF16, or the checkpoint is float32)")
         self.model_config = mcfg
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
@@ -124,7 +127,7 @@ class LLMEngine:
         self.prepared: PreparedWeights | None = None
         if loaded:
             permute_model_heads(self.model, self.layout)
-            self.model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+            self.model.prepare_weights(self.dtype, config.dense_weights)  # after the permutation (plain weights)
         else:
             # Beside the weights, whose preparation leaves a core idle for much of its time:
             # the tokenizer and, on the CPU, the C kernels (a first build runs the compiler).
@@ -178,7 +181,8 @@ class LLMEngine:
         path = resolve_model_path(config.model)
         if config.prepared_weights_cache and config.torch_device.type == "cpu" and path.is_file():
             order = [self.layout.head_order(l) for l in range(mcfg.num_layers)]
-            self.prepared = PreparedWeights(cache_dir() / "prepared", path, self.dtype, order)
+            self.prepared = PreparedWeights(cache_dir() / "prepared", path, self.dtype, order,
+                                            config.dense_weights)
             model = self.prepared.load(mcfg)
             if model is not None:
                 return model
@@ -187,7 +191,7 @@ class LLMEngine:
         # weights stay codes until then (lazy), made dense one at a time in the compute dtype.
         model = load_weights(config.model, torch.float32, config.torch_device, lazy=True)
         permute_model_heads(model, self.layout)
-        model.prepare_weights(self.dtype)  # after the permutation, which edits the plain weights
+        model.prepare_weights(self.dtype, config.dense_weights)  # after the permutation (plain weights)
         if self.prepared is not None:
             self.prepared.save_in_background(model)
         return model

@@ -223,7 +223,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
                       window: int | None = None, sink: int = 0, sinks_given: int = 0, band_pos: int = 0,
                       amx_too: bool = False) -> torch.Tensor | None:
     """cpu_prefill.c: attention of q [c, H, D], the positions [start, start + c), over k, v
-    [S, nkv, D] (any strides but D's, the same for k and v), query head h reading KV head
+    [S, nkv, D] (any strides but D's; copied where k's differ from v's), query head h reading KV head
     h // (H // nkv) -> [c, H, D]. A query at position p sees the keys at positions
     (p - window, p] and those below `sink` up to p (window None: every key up to p).
     Keys [0, sinks_given) are positions [0, sinks_given), the rest positions band_pos on;
@@ -232,6 +232,10 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     AVX512-BF16 (or with AMX: see prefill_library), no library."""
     c, H, D = q.shape
     S, nkv = k.shape[0], k.shape[1]
+    if k.stride() != v.stride() and v.shape == k.shape:
+        # The kernel steps k and v alike: a step's K rotated apart from its V (the fused
+        # 4-bit q/k/v of a model kept as codes only) is copied to one layout (a few MiB).
+        k, v = k.contiguous(), v.contiguous()
     if (not prefill_takes(q, amx_too) or k.dtype != q.dtype or v.dtype != q.dtype or k.device.type != "cpu"
             or k.shape[-1] != D or v.shape != k.shape or k.stride() != v.stride() or q.stride(-1) != 1
             or k.stride(-1) != 1 or H % nkv):

@@ -6,9 +6,9 @@ PyTorch's own int4 kernel is the faster one at a few rows and loses to the packe
 bfloat16 weight from about 16 (layers/linear.py). This one dequantizes each weight once
 per call into a bfloat16 tile and multiplies every row against it with AVX512-BF16 dot
 products: within 2-15% of the packed weight's time from 8 rows to prefill chunks, from a
-third of its bytes (benchmarks/bench_int4_gemm.py, docs/benchmarks.md). The engine does not call
-it yet: a model that keeps no dense weight beside its codes (issue #36's memory target)
-is the next step.
+third of its bytes (benchmarks/bench_int4_gemm.py, docs/benchmarks.md). The engine calls
+it (layers.linear.int4_any_rows) for calls of more than 8 rows in a model kept without
+dense copies of its 4-bit weights (dense_weights=False).
 """
 from __future__ import annotations
 

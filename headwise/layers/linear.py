@@ -15,7 +15,10 @@ INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
 Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32 (Q5_1,
 Q5_K), keeps those as int8 for calls of at most 4 rows instead (kernels.int8_matmul: about
 half the bytes of bfloat16), chosen inside the packed call.
-Larger calls (prefill, big batches) use the packed dense weight. Under torch.compile a
+Larger calls (prefill, big batches) use the packed dense weight, except in a model
+prepared without dense copies of its 4-bit weights (CausalLM.prepare_weights(dense=False):
+a third of the bytes), whose larger calls read the codes too (kernels.int4_gemm, else
+PyTorch's int4 kernel). Under torch.compile a
 packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
 packed matmul only for weights it packed itself.
 
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from headwise.kernels import weight_codes
+from headwise.kernels.int4_gemm import int4_gemm
 from headwise.kernels.int8_matmul import AFFINE_GROUP, check_int8_weight, exact_affine, int8_copy, int8_matmul
 from headwise.layers import opaque
 from headwise.layers.quant import QuantCodes
@@ -121,9 +125,22 @@ def decode_sized(x: torch.Tensor) -> bool:
 
 
 def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    # x [M, K] -> [M, N]
+    """x [M, K] -> [M, N] by PyTorch's int4 kernel, for any M: decode-sized calls of every
+    4-bit copy, and the calls kernels.int4_gemm declines in a model with no dense copy."""
     codes, sz = int4
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), codes, INT4_GROUP, sz)
+
+
+def int4_any_rows(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [M, K] -> [M, N] over a 4-bit copy, whatever M: PyTorch's int4 kernel for
+    decode-sized calls (the faster one there), kernels.int4_gemm above (2.3-2.5x faster
+    than PyTorch's from 16 rows: it dequantizes each weight block once per call, not per 4
+    rows), PyTorch's kernel where that declines (no AVX512-BF16, a torch.compile trace)."""
+    if not decode_sized(x):
+        y = int4_gemm(x, *int4)
+        if y is not None:
+            return y
+    return int4_matmul(x, int4)
 
 
 class Int4Copy:
@@ -145,8 +162,9 @@ class Int4Copy:
         self.int4_codes, self.int4_scales = (None, None) if value is None else value
 
     def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] through the 4-bit copy (plus the module's bias) -> [M, N]."""
-        y = int4_matmul(x, self.int4)
+        """x [..., K] through the 4-bit copy (plus the module's bias) -> [..., N]."""
+        y = int4_any_rows(x.reshape(-1, x.shape[-1]), self.int4)
+        y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
 
 
@@ -244,14 +262,38 @@ class Linear(Int4Copy, nn.Module):
         self.weight = None  # a tied weight stays with its other owner (the embedding)
         return True
 
+    def keep_codes_only(self, dtype: torch.dtype) -> None:
+        """Run every call on the 4-bit copy (scales cast to `dtype`, one of INT4_DTYPES):
+        the dense weight is let go of, or never made from the file's codes (a third of
+        the bytes; CausalLM.prepare_weights(dense=False))."""
+        if self.int4 is None or dtype not in INT4_DTYPES:
+            raise ValueError(f"keep_codes_only: needs a 4-bit copy and {INT4_DTYPES} activations")
+        self.int4 = int4_cast(self.int4, dtype)
+        self.quant = self.weight = None  # a tied weight stays with its other owner (the embedding)
+        self.int8_codes = self.int8_scales = self.int8_lows = None
+        if self.bias is not None:
+            self.bias.data = self.bias.data.to(dtype).contiguous()
+
+    @property
+    def codes_only(self) -> bool:
+        """Kept as its 4-bit copy alone (keep_codes_only): every call reads the codes."""
+        return self.packed is None and self.weight is None and self.int4 is not None
+
     def dense_weight(self) -> torch.Tensor:
-        """The weight [out, in] in plain layout, packed or not."""
+        """The weight [out, in] in plain layout, packed or not; as the 4-bit kernel computes
+        it for a layer kept as codes only."""
+        if self.codes_only:  # x = I gives the weight's columns; rows of I in runs of 1024
+            eye = torch.eye(self.in_features, dtype=self.int4_scales.dtype)
+            return torch.cat([int4_any_rows(eye[r:r + 1024], self.int4)
+                              for r in range(0, self.in_features, 1024)]).t().contiguous()
         return self.weight.detach() if self.packed is None else self.packed.to_dense()
 
     def forward(self, x: torch.Tensor, act: str = "none") -> torch.Tensor:
         # x: [..., in] -> [..., out]; act (ACTIVATIONS) applied to the result.
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
+        if self.codes_only:
+            return activate(self.int4_mm(x), act)
         small = self._small(x)
         if self.packed is not None and not small:
             return self._packed(x, act, None)
@@ -259,7 +301,7 @@ class Linear(Int4Copy, nn.Module):
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
-        if self._small(x):
+        if self.codes_only or self._small(x):
             return self.int4_mm(x) * other
         if self.packed is not None:
             return self._packed(x, "none", other)
@@ -305,12 +347,15 @@ class FusedInt4(Int4Copy, nn.Module):
     Built while the weights are float32 and exactly 4-bit (else `int4` stays None and the
     layers run on their own); the layers then keep no decode copies of their own
     (`fused_int4`: built before they look for them, or they drop theirs). Prefill keeps
-    the layers' packed dense weights (their fused activation post-ops pay there)."""
+    the layers' packed dense weights (their fused activation post-ops pay there), unless
+    the parts are kept as codes only (CausalLM.prepare_weights(dense=False)): then this
+    copy serves every call."""
 
     def __init__(self, parts: list[Linear]) -> None:
         super().__init__()
         self.in_features = parts[0].in_features
         self.sizes = [p.out_features for p in parts]
+        self.parts = tuple(parts)  # a tuple: not registered again as submodules
         Int4Copy.init(self)
         self.register_buffer("bias", None, persistent=False)
         if all(p.quant is not None for p in parts):
@@ -337,8 +382,20 @@ class FusedInt4(Int4Copy, nn.Module):
         if self.bias is not None:
             self.bias = self.bias.to(dtype) if self.int4 is not None else None
 
+    def keep_codes_only(self) -> None:
+        """The parts let go of their dense weights (or never make them): this copy, already
+        cast, serves every call."""
+        for p in self.parts:
+            p.quant = p.weight = None
+            p.int8_codes = p.int8_scales = p.int8_lows = None
+
+    @property
+    def codes_only(self) -> bool:
+        """Whether this copy is all there is of the parts' weights (keep_codes_only)."""
+        return self.int4 is not None and all(p.packed is None and p.weight is None for p in self.parts)
+
     def applies(self, x: torch.Tensor) -> bool:
-        return self.int4 is not None and decode_sized(x)
+        return self.int4 is not None and (decode_sized(x) or self.codes_only)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, K] -> [M, sum(sizes)], the parts' outputs side by side

@@ -9,7 +9,7 @@ from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
 from headwise.layers.embedding import Embedding
-from headwise.layers.linear import INT8_DTYPES, FusedInt4, Linear
+from headwise.layers.linear import INT4_DTYPES, INT8_DTYPES, FusedInt4, Linear
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig
@@ -62,14 +62,17 @@ class CausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def prepare_weights(self, dtype: torch.dtype) -> None:
+    def prepare_weights(self, dtype: torch.dtype, dense: bool = True) -> None:
         """Cast to the compute dtype and prepack the linear weights for the CPU (see
         layers.linear). The 4-bit copies (else int8 ones) are taken first: from the file's
         codes where the loader read them (layers.quant), else found in the float32
         weights, which hold them exactly only before rounding to 16 bits. Weights a lazy
         load left as codes are made dense here, each straight in `dtype`. float32 norms keep
         their float32 weights; an int8 token embedding is then looked up from its codes
-        (layers.embedding). Call once, on the final device, after any edit of the weights."""
+        (layers.embedding). dense=False: a weight with a 4-bit copy (its own or its
+        fusion's) keeps only that, and every call reads it (bfloat16 activations only:
+        layers.linear.INT4_DTYPES, on the CPU; otherwise dense as usual). Call once, on the final
+        device, after any edit of the weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
@@ -90,15 +93,27 @@ class CausalLM(nn.Module):
             m.weight.data = w
         for m, (sc, lows) in scales.items():
             m.int8_scales, m.int8_lows = sc, lows
-        for m in self.modules():
-            if isinstance(m, FusedInt4):
-                m.cast(dtype)
+        fusions = [m for m in self.modules() if isinstance(m, FusedInt4)]
+        for m in fusions:
+            m.cast(dtype)
+        codes_only = set()
+        if not dense and dtype in INT4_DTYPES:
+            for m in fusions:
+                if m.int4 is not None:
+                    m.keep_codes_only()
+                    codes_only.update(m.parts)
+            for m in linears:
+                if m.int4 is not None and m.packable():  # on the CPU (the int4 kernels' device)
+                    m.keep_codes_only(dtype)
+                    codes_only.add(m)
         # One plain dense weight at a time, made in one scratch buffer that packing reads
         # and lets go of: fresh memory for each would be zeroed by the kernel first, which
         # was most of the time Qwen2.5-Coder-1.5B's weights took to prepare.
         sizes = [m.quant.codes.numel() for m in linears if m.weight is None and m.quant is not None]
         scratch = torch.empty(max(sizes), dtype=dtype) if sizes and dtype in (torch.float32, torch.bfloat16) else None
         for m in linears:
+            if m in codes_only:
+                continue
             m.materialize(dtype, scratch)
             if (not m.pack() and scratch is not None and m.weight is not None
                     and m.weight.untyped_storage().data_ptr() == scratch.untyped_storage().data_ptr()):

@@ -1,6 +1,6 @@
 """Prepared weights on disk: what CausalLM.prepare_weights leaves (decode copies, norms,
 biases, and each packed weight in plain layout), so a later start of the same model,
-dtype and head order skips loading and preparing.
+dtype, head order and choice of dense copies skips loading and preparing.
 
 An entry is a directory under <cache dir>/prepared named by a key over everything the
 tensors depend on: the model file's identity (path, size, modification time, a hash of
@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 import headwise
-from headwise.layers.linear import Linear
+from headwise.layers.linear import FusedInt4, Linear
 from headwise.layers.norm import RMSNorm
 from headwise.models.causal_lm import CausalLM
 from headwise.models.config import ModelConfig
@@ -84,13 +84,15 @@ def file_identity(path: Path) -> list:
 
 
 class PreparedWeights:
-    """The cache entry of one (model file, dtype, head order)."""
+    """The cache entry of one (model file, dtype, head order, dense copies or not)."""
 
-    def __init__(self, root: Path, model_path: Path, dtype: torch.dtype, head_order: list[list[int]]) -> None:
+    def __init__(self, root: Path, model_path: Path, dtype: torch.dtype, head_order: list[list[int]],
+                 dense: bool = True) -> None:
+        # dense: as CausalLM.prepare_weights' (False: 4-bit weights kept as codes only)
         self.root = Path(root)
         ident = json.dumps({"format": FORMAT, "headwise": headwise.__version__, "torch": torch.__version__,
                             "code": _code_hash(), "file": file_identity(model_path), "dtype": str(dtype),
-                            "head_order": head_order})
+                            "head_order": head_order, "dense": dense})
         self.key = hashlib.sha256(ident.encode()).hexdigest()[:32]
         self.dir = self.root / self.key
         self.dtype = dtype
@@ -250,8 +252,10 @@ def _read_and_pack(fd: int, module: Linear, e: dict, scratch: threading.local) -
 def _check_complete(model: CausalLM) -> None:
     """Raise PreparedError unless every layer has what it runs on."""
     embed = model.model.embed_tokens
+    fused = {p for m in model.modules() if isinstance(m, FusedInt4) and m.codes_only for p in m.parts}
     missing = [name for name, m in model.named_modules()
-               if (isinstance(m, Linear) and m.packed is None and m.weight is None)
+               if (isinstance(m, Linear) and m.packed is None and m.weight is None and not m.codes_only
+                   and m not in fused)
                or (isinstance(m, RMSNorm) and m.weight is None)]
     if embed.weight is None and embed.int8_codes is None:
         missing.append("model.embed_tokens")
