@@ -205,7 +205,7 @@ def prefill_library(amx_too: bool = False) -> ctypes.CDLL | None:
         return None
     lib = _load("cpu_prefill")
     if lib is not None:
-        lib.prefill_attention.argtypes = [_ptr, _i64, _i64, _ptr, _ptr, _i64, _i64, _ptr, _i64, _i64,
+        lib.prefill_attention.argtypes = [_ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64, _ptr, _i64, _i64,
                                           *[_i64] * 10, ctypes.c_float, ctypes.c_int]
         lib.prefill_attention.restype = ctypes.c_int
     return lib
@@ -223,7 +223,7 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
                       window: int | None = None, sink: int = 0, sinks_given: int = 0, band_pos: int = 0,
                       amx_too: bool = False) -> torch.Tensor | None:
     """cpu_prefill.c: attention of q [c, H, D], the positions [start, start + c), over k, v
-    [S, nkv, D] (any strides but D's; copied where k's differ from v's), query head h reading KV head
+    [S, nkv, D] (any strides but D's, each its own), query head h reading KV head
     h // (H // nkv) -> [c, H, D]. A query at position p sees the keys at positions
     (p - window, p] and those below `sink` up to p (window None: every key up to p).
     Keys [0, sinks_given) are positions [0, sinks_given), the rest positions band_pos on;
@@ -232,13 +232,9 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
     AVX512-BF16 (or with AMX: see prefill_library), no library."""
     c, H, D = q.shape
     S, nkv = k.shape[0], k.shape[1]
-    if k.stride() != v.stride() and v.shape == k.shape:
-        # The kernel steps k and v alike: a step's K rotated apart from its V (the fused
-        # 4-bit q/k/v of a model kept as codes only) is copied to one layout (a few MiB).
-        k, v = k.contiguous(), v.contiguous()
     if (not prefill_takes(q, amx_too) or k.dtype != q.dtype or v.dtype != q.dtype or k.device.type != "cpu"
-            or k.shape[-1] != D or v.shape != k.shape or k.stride() != v.stride() or q.stride(-1) != 1
-            or k.stride(-1) != 1 or H % nkv):
+            or k.shape[-1] != D or v.shape != k.shape or q.stride(-1) != 1
+            or k.stride(-1) != 1 or v.stride(-1) != 1 or H % nkv):
         return None
     if not (0 <= sinks_given <= min(band_pos, S) and 0 <= band_pos <= start
             and band_pos + S - sinks_given >= start + c and sink >= 0 and (window is None or window >= 1)):
@@ -246,8 +242,8 @@ def prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: 
                          f"{band_pos + S - sinks_given}) do not hold what queries [{start}, {start + c}) see")
     lib = prefill_library(amx_too)
     out = torch.empty(c, H, D, dtype=q.dtype)
-    rc = lib.prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), v.data_ptr(),
-                               k.stride(0), k.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
+    rc = lib.prefill_attention(q.data_ptr(), q.stride(0), q.stride(1), k.data_ptr(), k.stride(0), k.stride(1),
+                               v.data_ptr(), v.stride(0), v.stride(1), out.data_ptr(), out.stride(0), out.stride(1),
                                c, S, sinks_given, band_pos, start, sink, start + c if window is None else window,
                                H, nkv, D, scale, torch.get_num_threads())
     if rc == -1:  # built without AVX512-BF16: this CPU lacks it

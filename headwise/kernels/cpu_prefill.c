@@ -74,8 +74,8 @@ static inline __m512bh bcast_pair(const uint16_t *p)  /* two bfloat16 at p, in e
 
 /* Keys of one KV head into tiles of 16: kp[t][d/2][16 keys][2]; values into key pairs:
  * vp[j/2][D][2]; zero past S. */
-static void pack_head(const uint16_t *k, const uint16_t *v, int64_t row, int64_t S, int64_t D,
-                      int64_t tiles, uint16_t *kp, uint16_t *vp)
+static void pack_head(const uint16_t *k, const uint16_t *v, int64_t k_row, int64_t v_row, int64_t S,
+                      int64_t D, int64_t tiles, uint16_t *kp, uint16_t *vp)
 {
     for (int64_t t = 0; t < tiles; t++) {
         uint32_t *kt = (uint32_t *)(kp + t * 16 * D);
@@ -83,7 +83,7 @@ static void pack_head(const uint16_t *k, const uint16_t *v, int64_t row, int64_t
         for (int l = 0; l < 16; l++) {
             int64_t j = t * 16 + l;
             if (j < S) {
-                const uint16_t *kr = k + j * row, *vr = v + j * row;
+                const uint16_t *kr = k + j * k_row, *vr = v + j * v_row;
                 for (int64_t p = 0; p < D / 2; p++) {
                     uint32_t w;
                     memcpy(&w, kr + 2 * p, 4);
@@ -271,7 +271,8 @@ static void rows_item(const uint16_t *q, int64_t q_row, uint16_t *out, int64_t o
 #endif
 
 int prefill_attention(const uint16_t *q, int64_t q_row, int64_t q_head,
-                      const uint16_t *k, const uint16_t *v, int64_t kv_row, int64_t kv_head,
+                      const uint16_t *k, int64_t k_row, int64_t k_head,
+                      const uint16_t *v, int64_t v_row, int64_t v_head,
                       uint16_t *out, int64_t o_row, int64_t o_head,
                       int64_t Lq, int64_t S, int64_t ns, int64_t band_pos, int64_t start,
                       int64_t sink, int64_t W, int64_t H, int64_t nkv, int64_t D,
@@ -299,7 +300,7 @@ int prefill_attention(const uint16_t *q, int64_t q_row, int64_t q_head,
     for (int64_t h = 0; h < 2 * nkv; h++) {  /* (head, segment) */
         int64_t hh = h / 2, first = h % 2 ? ns : 0, n = h % 2 ? S - ns : ns;
         size_t at = hh * per_head + (h % 2 ? cap[0] * D : 0);
-        pack_head(k + hh * kv_head + first * kv_row, v + hh * kv_head + first * kv_row, kv_row, n, D,
+        pack_head(k + hh * k_head + first * k_row, v + hh * v_head + first * v_row, k_row, v_row, n, D,
                   cap[h % 2] / 16, kp + at, vp + at);
     }
     int64_t blocks = (Lq + QB - 1) / QB;
@@ -332,7 +333,7 @@ int prefill_attention(const uint16_t *q, int64_t q_row, int64_t q_head,
     free(vp);
     return failed ? -3 : 0;
 #else
-    (void)q; (void)q_row; (void)q_head; (void)k; (void)v; (void)kv_row; (void)kv_head;
+    (void)q; (void)q_row; (void)q_head; (void)k; (void)k_row; (void)k_head; (void)v; (void)v_row; (void)v_head;
     (void)out; (void)o_row; (void)o_head; (void)Lq; (void)S; (void)ns; (void)band_pos; (void)start;
     (void)sink; (void)W; (void)H; (void)nkv; (void)D; (void)scale; (void)nthreads;
     return -1;
