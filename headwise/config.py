@@ -142,10 +142,9 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
-        if not self.dense_weights and (dev.type != "cpu" or self.dtype == "float32"):
-            raise ConfigError("dense_weights=False keeps 4-bit weights as codes for the CPU's int4 kernels, "
-                              f"with bfloat16 compute; device {self.device!r}, dtype {self.dtype!r} keep the "
-                              "dense weights (leave dense_weights on)")
+        if not self.dense_weights and dev.type != "cpu":
+            raise ConfigError(f"dense_weights=False keeps 4-bit weights as codes for the CPU's int4 kernels; "
+                              f"device {self.device!r} keeps the dense weights (leave dense_weights on)")
         if self.kv_cache_dtype == "fp8_e4m3" and dev.type != "cuda":
             raise ConfigError("kv_cache_dtype='fp8_e4m3' needs a CUDA device; on the CPU use int8 "
                               f"(choices: {list(KV_CACHE_DTYPES)})")
@@ -180,12 +179,19 @@ class EngineConfig:
 
     def resolve_dtype(self, checkpoint_dtype: str | None) -> torch.dtype:
         """The compute and KV dtype. checkpoint_dtype: what the weights were saved in
-        ("float32", "bfloat16", ...), None for quantized (GGUF) weights."""
+        ("float32", "bfloat16", ...), None for quantized (GGUF) weights. ConfigError where
+        dense_weights=False meets a dtype other than bfloat16 (the int4 kernels' only one)."""
         if self.dtype != "auto":
-            return DTYPES[self.dtype]
-        if checkpoint_dtype in (None, "bfloat16", "float16") and native_bf16(self.torch_device):
-            return torch.bfloat16
-        return torch.float32
+            dtype = DTYPES[self.dtype]
+        elif checkpoint_dtype in (None, "bfloat16", "float16") and native_bf16(self.torch_device):
+            dtype = torch.bfloat16
+        else:
+            dtype = torch.float32
+        if not self.dense_weights and dtype != torch.bfloat16:
+            raise ConfigError(f"dense_weights=False needs bfloat16 compute; dtype {self.dtype!r} resolves to "
+                              f"{dtype} here (explicitly, or this CPU lacks AVX512-BF16, or the checkpoint is "
+                              "float32)")
+        return dtype
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> "EngineConfig":

@@ -110,9 +110,6 @@ class LLMEngine:
         else:
             self.dtype = config.resolve_dtype(checkpoint_dtype(config.model))
             mcfg = read_model_config(config.model)
-        if not config.dense_weights and self.dtype != torch.bfloat16:
-            raise ConfigError(f"dense_weights=False needs bfloat16 compute; dtype {config.dtype!r} resolved to "
-                              f"{self.dtype} here (this CPU lacks AVX512-BF16, or the checkpoint is float32)")
         self.model_config = mcfg
         self.model_name = mcfg.name
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)

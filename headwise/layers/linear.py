@@ -269,10 +269,15 @@ class Linear(Int4Copy, nn.Module):
         if self.int4 is None or dtype not in INT4_DTYPES:
             raise ValueError(f"keep_codes_only: needs a 4-bit copy and {INT4_DTYPES} activations")
         self.int4 = int4_cast(self.int4, dtype)
-        self.quant = self.weight = None  # a tied weight stays with its other owner (the embedding)
-        self.int8_codes = self.int8_scales = self.int8_lows = None
+        self.drop_dense()
         if self.bias is not None:
             self.bias.data = self.bias.data.to(dtype).contiguous()
+
+    def drop_dense(self) -> None:
+        """Let go of the dense weight, the file's codes and the int8 copy (a weight kept as
+        4-bit codes only, its own or its fusion's); a tied weight stays with its other owner."""
+        self.quant = self.weight = None
+        self.int8_codes = self.int8_scales = self.int8_lows = None
 
     @property
     def codes_only(self) -> bool:
@@ -386,8 +391,7 @@ class FusedInt4(Int4Copy, nn.Module):
         """The parts let go of their dense weights (or never make them): this copy, already
         cast, serves every call."""
         for p in self.parts:
-            p.quant = p.weight = None
-            p.int8_codes = p.int8_scales = p.int8_lows = None
+            p.drop_dense()
 
     @property
     def codes_only(self) -> bool:
