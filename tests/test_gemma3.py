@@ -144,6 +144,9 @@ def test_gguf_reader_matches_gguf_package(tmp_path):
     bad.write_bytes(b"GGML" + bytes(64))
     with pytest.raises(GGUFFormatError, match="not a GGUF"):
         GGUFFile(bad)
+    (tmp_path / "empty.gguf").write_bytes(b"")
+    with pytest.raises(GGUFFormatError, match="empty, not a GGUF"):
+        GGUFFile(tmp_path / "empty.gguf")
 
 
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_1", "Q5_0", "Q4_K", "Q5_K", "Q6_K"])

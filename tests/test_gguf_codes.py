@@ -1,8 +1,11 @@
 """GGUF block formats read as codes and scales (weights/gguf_codes.py, layers/quant.py):
 the dense weight made from them is gguf's dequantized weight bit for bit; the decode
 copies come from them without a search; head permutations move them with the weight; and
-a lazily loaded model (no float32 copy) prepares to the same weights as an eager one."""
+a lazily loaded model (no float32 copy) prepares to the same weights as an eager one; a
+tensor read is released from resident memory and reads the same again."""
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import pytest
@@ -16,7 +19,7 @@ from headwise.layers import embedding, linear
 from headwise.layers.quant import QuantCodes
 from headwise.weights.gguf_codes import FORMATS, read_codes
 from headwise.weights.gguf_file import GGUFFile
-from headwise.weights.loader import default_model_path, load_model
+from headwise.weights.loader import default_model_path, load_model, load_weights
 
 # where each format keeps its float16 fields (d, and dmin or m), by byte offset
 F16_AT = {Q.Q8_0: [0], Q.Q4_0: [0], Q.Q4_1: [0, 2], Q.Q5_0: [0], Q.Q5_1: [0, 2],
@@ -99,6 +102,55 @@ def test_head_permutations_move_codes_with_the_weight():
 def test_shapes_are_checked():
     with pytest.raises(ValueError, match="quantized weight"):
         QuantCodes(torch.zeros(4, 64, dtype=torch.int8), torch.zeros(4, 3), None, 32, 16)
+
+
+def _resident_mib(path) -> float:
+    """This process's resident MiB of mappings of `path` (/proc/self/smaps)."""
+    total, ours = 0, False
+    for line in open("/proc/self/smaps"):
+        head = line.split()
+        if head and "-" in head[0] and ":" not in head[0]:  # a mapping's header line
+            ours = line.rstrip().endswith(str(path))
+        elif ours and head[0] == "Rss:":
+            total += int(head[1])
+    return total / 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux's /proc/self/smaps")
+def test_released_tensors_leave_resident_memory_and_read_again_alike():
+    path = default_model_path().resolve()
+    reader = GGUFFile(path)
+    big = [t for t in reader.tensors if t.data.nbytes > 1 << 20]
+    before = [t.data.copy() for t in big]  # every page of them faulted in
+    touched = _resident_mib(path)
+    assert touched > sum(t.data.nbytes for t in big) / 2**20 * 0.9
+    assert all(reader.release(t) for t in big)
+    assert _resident_mib(path) < touched - sum(t.data.nbytes for t in big) / 2**20 * 0.9
+    assert all(np.array_equal(t.data, b) for t, b in zip(big, before))  # faulted in again from the file
+    with pytest.raises(ValueError, match="is not one of"):
+        reader.release(GGUFFile(path).tensors[0])
+
+
+@pytest.mark.parametrize("dense", [False, True])
+def test_codes_only_preparing_lets_go_of_each_layers_codes_once_packed(dense, monkeypatch):
+    """Kept as codes only, a fusion's parts drop the file's int8 codes as soon as the
+    fusion has packed them, so no later fusion is made while an earlier one's parts still
+    hold theirs (a cold start would hold the model both ways). With dense copies the parts
+    keep their codes until each dense weight is made from them."""
+    model = load_weights(None, torch.float32, lazy=True)
+    made, held = [], []
+    real = linear.FusedInt4.__init__
+
+    def watched(self, parts):
+        held.append(sum(p.quant is not None for f in made for p in f.parts))
+        real(self, parts)
+        made.append(self)
+
+    monkeypatch.setattr(linear.FusedInt4, "__init__", watched)
+    model.prepare_weights(torch.bfloat16, dense=dense)
+    assert len(made) == 2 * model.config.num_layers and all(f.int4 is not None for f in made)
+    assert (held == [0] * len(made)) != dense
+    assert all(f.codes_only != dense for f in made)
 
 
 def test_default_model_prepares_from_codes_without_searching(monkeypatch):

@@ -74,17 +74,33 @@ class CausalLM(nn.Module):
         layers.linear.INT4_DTYPES, on the CPU; otherwise dense as usual). Call once, on the final
         device, after any edit of the weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
+        embed = self.model.embed_tokens
+        tied = self.config.tie_word_embeddings
+        keep_codes = not dense and dtype in INT4_DTYPES
+        # Kept as codes only, a layer lets go of its file's codes (int8, a byte per weight)
+        # as soon as they are packed (half a byte), not after every layer is: a cold start
+        # then never holds the whole model both ways (Qwen2.5-Coder-1.5B: peak while
+        # preparing 4.2 -> 3.2 GB). The tied projection waits for the embedding, which
+        # reads its copies below.
+        codes_only: set[Linear] = set()
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
-            m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
+            fused = m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
+            if keep_codes and fused.int4 is not None:
+                fused.keep_codes_only()
+                codes_only.update(fused.parts)
         for m in linears:  # the others (and the parts of a fusion that did not apply)
             m.find_int4()
             m.find_int8()  # where there is no 4-bit copy
-        embed = self.model.embed_tokens
-        tied = self.config.tie_word_embeddings
+            if keep_codes and not (tied and m is self.lm_head) and m.int4 is not None and m.packable():
+                m.keep_codes_only(dtype)  # packable: on the CPU (the int4 kernels' device)
+                codes_only.add(m)
         embed.find_int8(self.lm_head if tied else None)
         if tied:  # the projection packs the embedding's dense weight
             embed.materialize(dtype)
             self.lm_head.weight = embed.weight
+            if keep_codes and self.lm_head.int4 is not None and self.lm_head.packable():
+                self.lm_head.keep_codes_only(dtype)
+                codes_only.add(self.lm_head)
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         # float32 scales and minimums of the int8 copies: exact
         scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}
@@ -93,19 +109,9 @@ class CausalLM(nn.Module):
             m.weight.data = w
         for m, (sc, lows) in scales.items():
             m.int8_scales, m.int8_lows = sc, lows
-        fusions = [m for m in self.modules() if isinstance(m, FusedInt4)]
-        for m in fusions:
-            m.cast(dtype)
-        codes_only = set()
-        if not dense and dtype in INT4_DTYPES:
-            for m in fusions:
-                if m.int4 is not None:
-                    m.keep_codes_only()
-                    codes_only.update(m.parts)
-            for m in linears:
-                if m.int4 is not None and m.packable():  # on the CPU (the int4 kernels' device)
-                    m.keep_codes_only(dtype)
-                    codes_only.add(m)
+        for m in self.modules():
+            if isinstance(m, FusedInt4):
+                m.cast(dtype)
         # One plain dense weight at a time, made in one scratch buffer that packing reads
         # and lets go of: fresh memory for each would be zeroed by the kernel first, which
         # was most of the time Qwen2.5-Coder-1.5B's weights took to prepare.

@@ -32,9 +32,10 @@ class SelfAttention(nn.Module):
         self.shape = (H, Hkv, D)
         self.qkv_int4: FusedInt4 | None = None
 
-    def fuse_int4(self) -> None:
+    def fuse_int4(self) -> FusedInt4:
         """q, k and v as one 4-bit matmul for decode (see FusedInt4); weights still float32."""
         self.qkv_int4 = FusedInt4([self.q_proj, self.k_proj, self.v_proj])
+        return self.qkv_int4
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         # rope: the step's rotary tables for this layer (RotaryEmbedding.tables)
@@ -69,9 +70,10 @@ class MLP(nn.Module):
         self.act = cfg.hidden_act
         self.gate_up_int4: FusedInt4 | None = None
 
-    def fuse_int4(self) -> None:
+    def fuse_int4(self) -> FusedInt4:
         """gate and up as one 4-bit matmul for decode (see FusedInt4)."""
         self.gate_up_int4 = FusedInt4([self.gate_proj, self.up_proj])
+        return self.gate_up_int4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_int4 is not None and self.gate_up_int4.applies(x):

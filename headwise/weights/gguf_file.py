@@ -11,6 +11,7 @@ padding to `general.alignment`; tensor data.
 """
 from __future__ import annotations
 
+import mmap
 import os
 import struct
 from concurrent.futures import ThreadPoolExecutor
@@ -89,7 +90,12 @@ def _format_code(qtype: GGMLQuantizationType):
 class GGUFFile:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._buf = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size == 0:
+                raise GGUFFormatError(f"{self.path} is empty, not a GGUF file")
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._buf = np.frombuffer(self._map, dtype=np.uint8)  # views of the map, no copy
         self._pos = 0
         if bytes(self._take(4)) != b"GGUF":
             raise GGUFFormatError(f"{self.path} is not a GGUF file")
@@ -124,6 +130,21 @@ class GGUFFile:
 
     def get(self, key: str, default: Any = None) -> Any:
         return self.fields.get(key, default)
+
+    def release(self, tensor: GGUFTensor) -> bool:
+        """Drop a tensor's pages of the file from this process's resident memory once its
+        contents are copied out (they stay in the page cache; a later read faults them in
+        again). A loader that reads every tensor otherwise ends holding the whole file
+        mapped beside what it made of it: Qwen2.5-Coder-1.5B's 1.1 GB on top of its codes at
+        the peak of a cold start. False where the OS has no madvise."""
+        if not hasattr(self._map, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or tensor.data.size == 0:
+            return False
+        lo = tensor.data.ctypes.data - self._buf.ctypes.data
+        if not 0 <= lo < len(self._buf):
+            raise ValueError(f"tensor {tensor.name!r} is not one of {self.path}'s")
+        start = lo // mmap.PAGESIZE * mmap.PAGESIZE
+        self._map.madvise(mmap.MADV_DONTNEED, start, lo + tensor.data.size - start)
+        return True
 
     # ---- parsing ------------------------------------------------------------------
     def _take(self, n: int) -> np.ndarray:

@@ -129,6 +129,7 @@ def load_gguf(path: Path, name: str, dense: bool = True) -> tuple[ModelConfig, d
                 found = found.take_rows(_unpermute_index(found.shape[0], heads))
             codes[key] = found
             if not dense:
+                reader.release(t)
                 continue
             w = found.dense()
         else:
@@ -136,4 +137,5 @@ def load_gguf(path: Path, name: str, dense: bool = True) -> tuple[ModelConfig, d
             if heads is not None:
                 w = w[_unpermute_index(w.shape[0], heads)]
         state[key] = w
+        reader.release(t)  # copied out: its pages of the file need not stay resident
     return cfg, state, codes
