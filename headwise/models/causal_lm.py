@@ -83,6 +83,12 @@ class CausalLM(nn.Module):
         # preparing 4.2 -> 3.2 GB). The tied projection waits for the embedding, which
         # reads its copies below.
         codes_only: set[Linear] = set()
+
+        def keep_codes_only(m: Linear) -> None:
+            if keep_codes and m.int4 is not None and m.packable():  # on the CPU (the int4 kernels' device)
+                m.keep_codes_only(dtype)
+                codes_only.add(m)
+
         for m in [m for m in self.modules() if hasattr(m, "fuse_int4")]:
             fused = m.fuse_int4()  # q/k/v and gate/up as one 4-bit matmul each, where exactly 4-bit
             if keep_codes and fused.int4 is not None:
@@ -91,16 +97,13 @@ class CausalLM(nn.Module):
         for m in linears:  # the others (and the parts of a fusion that did not apply)
             m.find_int4()
             m.find_int8()  # where there is no 4-bit copy
-            if keep_codes and not (tied and m is self.lm_head) and m.int4 is not None and m.packable():
-                m.keep_codes_only(dtype)  # packable: on the CPU (the int4 kernels' device)
-                codes_only.add(m)
+            if not (tied and m is self.lm_head):
+                keep_codes_only(m)
         embed.find_int8(self.lm_head if tied else None)
         if tied:  # the projection packs the embedding's dense weight
             embed.materialize(dtype)
             self.lm_head.weight = embed.weight
-            if keep_codes and self.lm_head.int4 is not None and self.lm_head.packable():
-                self.lm_head.keep_codes_only(dtype)
-                codes_only.add(self.lm_head)
+            keep_codes_only(self.lm_head)
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         # float32 scales and minimums of the int8 copies: exact
         scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}

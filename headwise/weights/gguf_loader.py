@@ -128,14 +128,10 @@ def load_gguf(path: Path, name: str, dense: bool = True) -> tuple[ModelConfig, d
             if heads is not None:
                 found = found.take_rows(_unpermute_index(found.shape[0], heads))
             codes[key] = found
-            if not dense:
-                reader.release(t)
-                continue
-            w = found.dense()
+            if dense:
+                state[key] = found.dense()
         else:
             w = torch.from_numpy(t.dequantize())  # writable, its own memory
-            if heads is not None:
-                w = w[_unpermute_index(w.shape[0], heads)]
-        state[key] = w
+            state[key] = w if heads is None else w[_unpermute_index(w.shape[0], heads)]
         reader.release(t)  # copied out: its pages of the file need not stay resident
     return cfg, state, codes
