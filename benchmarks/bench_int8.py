@@ -54,7 +54,7 @@ def copy_mib(m) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     from headwise.kernels.int8_matmul import MAX_ROWS, int8_matmul
-    from headwise.layers.linear import INT4_MAX_ROWS
+    from headwise.layers.int4 import INT4_MAX_ROWS
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="SmolLM2-135M-Instruct,gemma-3-270m")

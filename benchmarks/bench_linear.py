@@ -27,7 +27,8 @@ from benchmarks.common import Stat, machine, save  # noqa: E402
 def load_linears(dtype: torch.dtype):
     """(plain weights, prepared Linears, their 4-bit matmuls as decode runs them (fused
     groups and single layers), prepared MLPs, plain MLP weights (gate, up, down))."""
-    from headwise.layers.linear import Int4Copy, Linear
+    from headwise.layers.int4 import Int4Copy
+    from headwise.layers.linear import Linear
     from headwise.weights.loader import load_model
 
     model, _ = load_model(None, torch.float32)
@@ -53,7 +54,8 @@ def time_pass(fn, runs: int) -> Stat:
 
 def main(argv: list[str] | None = None) -> int:
     from headwise.config import DTYPE_CHOICES, EngineConfig
-    from headwise.layers.linear import FusedInt4, int4_matmul
+    from headwise.layers.int4 import int4_matmul
+    from headwise.layers.linear import FusedInt4
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--rows", default="1,4,16,64,1024")

@@ -16,12 +16,12 @@ from gguf import GGMLQuantizationType
 from headwise import LLM, SamplingParams
 from headwise.heads.layout import HeadLayout
 from headwise.cache.spec import KVClassSpec
-from headwise.kernels import cpu_kernels, int4_gemm, int8_matmul, pointwise
+from headwise.kernels import codes_gemm, cpu_kernels, int8_matmul, pointwise
 from headwise.layers.kv_tensor import dequantize, quantize
 from headwise.layers.norm import RMSNorm
 from headwise.layers import torch_attention
 from tests.test_decode_capture import PROMPTS, _mixed
-from tests import test_int4_gemm, test_int8_matmul, test_pointwise
+from tests import test_codes_gemm, test_int8_matmul, test_pointwise
 
 TOL = {torch.float32: 2e-6, torch.bfloat16: 1.6e-2}
 
@@ -286,10 +286,14 @@ def test_the_portable_code_path_without_avx512(compiled, fresh_build, monkeypatc
         test_int8_matmul.test_kernel_matches_the_dequantized_weight(None, dtype, tol, 4)
         test_int8_matmul.test_kernel_with_a_scale_per_16_inputs(None, dtype, tol)
         test_int8_matmul.test_kernel_with_a_minimum_per_group(None, dtype, tol)
-    # the 4-bit matmul needs AVX512-BF16: built without it, it declines (the engine keeps its path)
-    packed, sz, _ = test_int4_gemm.weight(64, 64, seed=0)
+    # the matmuls over codes need AVX512-BF16: built without it, they decline (the engine
+    # keeps its path, and a layer with int8 codes keeps its dense weight)
+    packed, sz, _ = test_codes_gemm.weight(64, 64, seed=0)
+    q = test_codes_gemm.int8_weight(64, 64, 16, False, seed=0)
     assert cpu_kernels.gemm_library() is not None
-    assert int4_gemm.int4_gemm(torch.ones(2, 64, dtype=torch.bfloat16), packed, sz) is None
+    assert codes_gemm.int4_gemm(torch.ones(2, 64, dtype=torch.bfloat16), packed, sz) is None
+    assert codes_gemm.int8_gemm(torch.ones(6, 64, dtype=torch.bfloat16), q.codes, q.scales) is None
+    assert not codes_gemm.int8_gemm_takes(q.codes, q.scales, None)
 
 
 @pytest.mark.parametrize("kv_dtype", [{"paged": "int8", "ring": "float16"}, {"paged": "float16", "ring": "int8"}])

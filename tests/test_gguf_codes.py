@@ -15,7 +15,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
 from headwise.kernels import int8_matmul
-from headwise.layers import embedding, linear
+from headwise.layers import embedding, int4, linear
 from headwise.layers.quant import QuantCodes
 from headwise.weights.gguf_codes import FORMATS, read_codes
 from headwise.weights.gguf_file import GGUFFile
@@ -164,7 +164,7 @@ def test_default_model_prepares_from_codes_without_searching(monkeypatch):
     eager.prepare_weights(torch.bfloat16)
     for name in ("exact_affine", "exact_int8"):
         monkeypatch.setattr(int8_matmul, name, no_search)
-    monkeypatch.setattr(linear, "exact_affine", no_search)
+    monkeypatch.setattr(int4, "exact_affine", no_search)
     monkeypatch.setattr(linear, "int8_copy", no_search)
     monkeypatch.setattr(embedding, "int8_copy", no_search)
     lazy, _ = load_model(None, torch.float32, lazy=True)

@@ -3,7 +3,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headwise.layers.linear import INT4_MAX_ROWS, Linear, can_pack
+from headwise.layers.int4 import INT4_MAX_ROWS
+from headwise.layers.linear import Linear, can_pack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -74,7 +75,7 @@ def _q4_1_weight(N: int, K: int, seed: int = 0):
 
 
 def test_exact_int4_recovers_q4_1_and_rejects_other_weights():
-    from headwise.layers.linear import exact_int4
+    from headwise.layers.int4 import exact_int4
 
     w, codes, d, m = _q4_1_weight(32, 64)
     got = exact_int4(w)
@@ -96,7 +97,7 @@ def test_exact_int4_recovers_groups_whose_codes_need_not_span_0_to_15(qtype):
     from gguf import GGMLQuantizationType as Q
     from gguf.quants import dequantize, quantize
 
-    from headwise.layers.linear import exact_int4
+    from headwise.layers.int4 import exact_int4
     from tests.test_int8_matmul import kquant_weight
 
     if qtype == "Q4_K":
@@ -217,9 +218,9 @@ def test_codes_only_layer_serves_every_row_count(bias):
 
 
 def test_codes_only_falls_back_to_pytorchs_int4_kernel(monkeypatch):
-    """Where kernels.int4_gemm declines (no AVX512-BF16, a torch.compile trace), calls of
+    """Where kernels.codes_gemm declines (no AVX512-BF16, a torch.compile trace), calls of
     any size run PyTorch's int4 kernel on the same codes."""
-    import headwise.layers.linear as L
+    import headwise.layers.int4 as L
 
     lin, w, _ = _codes_only(64, 64, False, seed=4)
     x = torch.randn(50, 64).to(torch.bfloat16)
@@ -231,13 +232,75 @@ def test_codes_only_falls_back_to_pytorchs_int4_kernel(monkeypatch):
         assert (y.float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
 
-def test_keep_codes_only_needs_a_4bit_copy_and_bfloat16():
+def test_keep_codes_only_needs_codes_and_bfloat16():
     lin = Linear(64, 32)
     with pytest.raises(ValueError, match="4-bit copy"):
-        lin.keep_codes_only(torch.bfloat16)  # a float weight with no 4-bit codes
+        lin.keep_codes_only(torch.bfloat16)  # a float weight with no codes
     lin, _, _ = _codes_only(32, 64, False, seed=5)
     with pytest.raises(ValueError, match="4-bit copy"):
         Linear(64, 32).keep_codes_only(torch.float32)
+
+
+def _int8_codes_only(group: int, lows: bool, bias: bool) -> tuple[Linear, torch.Tensor, torch.Tensor | None]:
+    """A layer whose file stores int8 codes (Q6_K: a scale per 16 inputs; Q5_K: codes
+    0..31, a scale and a minimum per 32), loaded lazily (no dense weight) and kept as its
+    codes alone; the bfloat16 weight they stand for, and the bias."""
+    from headwise.layers.quant import QuantCodes
+
+    g = torch.Generator().manual_seed(group + lows)
+    N, K = 128, 96
+    codes = (torch.randint(0, 32, (N, K), generator=g) if lows else torch.randint(-32, 32, (N, K), generator=g))
+    scales = torch.rand(N, K // group, generator=g) * 0.02 + 1e-3
+    q = QuantCodes(codes.to(torch.int8), scales, -torch.rand(N, K // group, generator=g) * 0.3 if lows else None,
+                   group, 32 if lows else 64)
+    lin = Linear(K, N, bias=bias)
+    lin.weight, lin.quant = None, q
+    assert not lin.find_int4() and lin.find_int8()
+    lin.keep_codes_only(torch.bfloat16)  # the bias cast, the scales kept float32
+    b = lin.bias.detach().clone() if bias else None
+    return lin, q.dense(torch.bfloat16).float(), b
+
+
+@pytest.mark.parametrize("group,lows,bias", [(16, False, True), (32, True, False)])
+def test_int8_codes_only_layer_serves_every_row_count(group, lows, bias):
+    """A weight with int8 codes and no 4-bit ones (Q6_K, Q8_0, Q5_K) kept as its codes
+    alone: the int8 kernel up to 4 rows, the tile matmul above, in eager calls and in a
+    compiled graph (an opaque op), with a bias, an activation and a product."""
+    from headwise.kernels.codes_gemm import int8_gemm
+    from headwise.layers import opaque
+
+    if int8_gemm(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.int8),
+                 torch.ones(64, 1)) is None:
+        pytest.skip("no AVX512-BF16 matmul over int8 codes on this machine")
+    lin, w, b = _int8_codes_only(group, lows, bias)
+    assert lin.codes_only and lin.weight is None and lin.packed is None and lin.quant is None
+    assert torch.equal(lin.dense_weight().float(), w)  # the tile's weight, exactly
+    opaque.register(lin)
+    compiled = torch.compile(lambda x: lin(x, act="silu"), backend="eager", fullgraph=True)
+    for rows in (1, 4, 5, 40):
+        x = torch.randn(rows, 96).to(torch.bfloat16)
+        other = torch.randn(rows, 128).to(torch.bfloat16)
+        ref = F.linear(x.float(), w, None if b is None else b.float())
+        tol = 0.01 * ref.abs().max().item()  # bfloat16 outputs
+        assert (lin(x).float() - ref).abs().max().item() < tol, rows
+        assert (compiled(x).float() - F.silu(ref)).abs().max().item() < tol, rows
+        assert (lin.times(x, other).float() - ref * other.float()).abs().max().item() < 3 * tol, rows
+    assert lin(torch.randn(2, 5, 96).to(torch.bfloat16)).shape == (2, 5, 128)
+
+
+def test_int8_codes_only_multiplies_a_dense_weight_where_the_kernels_decline(monkeypatch):
+    """Where the tile matmul declines (a machine without it, activations it does not take)
+    the call still answers, from the weight made dense for it."""
+    import headwise.layers.linear as L
+
+    if L.int8_gemm(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.int8),
+                   torch.ones(64, 1)) is None:
+        pytest.skip("no AVX512-BF16 matmul over int8 codes on this machine")
+    lin, w, b = _int8_codes_only(16, False, True)
+    monkeypatch.setattr(L, "int8_gemm", lambda *a: None)
+    x = torch.randn(9, 96)
+    ref = F.linear(x, w, b.float())
+    assert (lin(x.to(torch.bfloat16)).float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
 
 
 def test_fused_int4_kept_as_codes_only_serves_prefill():

@@ -209,11 +209,12 @@ def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, 
     eng.prepared.writer.join()
     lins = [m for m in eng.model.modules() if isinstance(m, P.Linear)]
     packed = {n for n, m in eng.model.named_modules() if isinstance(m, P.Linear) and m.packed is not None}
-    # SmolLM2's projections are all Q4_1: only the vocabulary projection (Q8_0, tied) stays dense.
-    assert packed == {"lm_head"} and sum(m.codes_only for m in lins) == 60
+    # SmolLM2's projections are all Q4_1, its vocabulary projection (tied to the embedding)
+    # Q8_0: each reads its codes, so nothing is packed and no dense embedding is kept.
+    assert packed == set() and sum(m.codes_only for m in lins) == 61
+    assert eng.model.model.embed_tokens.weight is None and eng.model.lm_head.int8_codes is not None
     size = {p.name: p.stat().st_size for p in eng.prepared.dir.iterdir()}
-    head = eng.model.lm_head.packed.to_dense()
-    assert size["dense.bin"] == head.numel() * head.element_size()  # 56.6 MB against 269 dense
+    assert size["dense.bin"] == 0  # 269 MB with dense copies
     want = _greedy(first)
     with caplog.at_level(logging.INFO, logger="headwise.prepared"):
         second = LLM(None, dense_weights=False, **OPTS)

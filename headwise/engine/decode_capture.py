@@ -44,7 +44,8 @@ import torch
 from headwise.layers import opaque
 from headwise.layers.attention import HeadSplitAttention
 from headwise.layers.context import StepContext, step_context
-from headwise.layers.linear import INT4_MAX_ROWS, Int4Copy, Linear
+from headwise.layers.int4 import INT4_MAX_ROWS, Int4Copy
+from headwise.layers.linear import Linear
 from headwise.models.causal_lm import CausalLM
 
 log = logging.getLogger("headwise.capture")

@@ -1,5 +1,5 @@
-/* Matmul of any row count over a weight kept only as 4-bit codes, in the layout PyTorch's
- * int4 CPU matmul reads on AVX-512 builds (layers.linear.int4_pack, kernels/cpu_weights.c
+/* Matmul of any row count over a weight kept only as codes. int4_gemm: 4-bit codes, in the
+ * layout PyTorch's int4 CPU matmul reads on AVX-512 builds (layers.int4.int4_pack, kernels/cpu_weights.c
  * pack_int4): codes [N / 64][K][32 B], byte d (d < 16) holding rows d and d + 32 of the
  * block (low, high nibble) and byte 16 + d rows d + 16 and d + 48; scales and offsets
  * sz [K / 32][N][2] bfloat16, the weight being w = (code - 8) * scale + offset, in float32
@@ -14,11 +14,18 @@
  * and every row of x is multiplied against it there, 6 rows x 64 outputs (24 float32
  * accumulators) at a time. So the dequantization is paid once per weight per call, and
  * from 8 rows on a call takes 1.02-1.15x the packed weight's time
- * (benchmarks/bench_int4_gemm.py).
+ * (benchmarks/bench_codes_gemm.py).
+ *
+ * int8_gemm does the same over a weight kept as int8 codes with a float32 scale (and a
+ * float32 minimum, or none) per 16 or 32 inputs, row-major [N, K] (kernels.int8_matmul's
+ * layout: GGUF Q8_0, Q6_K, Q5_0, Q5_K ...): w = code * scale (+ low), rounded once per
+ * operation in float32 as layers.quant's dense weight is, then to bfloat16, so the tile
+ * holds exactly the dense bfloat16 weight. Its rows are row-major, so each 16 rows x 16
+ * input pairs of a tile are transposed in registers into the pair layout.
  *
  * x [M, K] bfloat16 (row stride sx), y [M, N] bfloat16 (row stride sy), accumulated in
  * float32 and rounded once (round to nearest even). Built by kernels/cpu_kernels.py with
- * -march=native; without AVX512-BF16 int4_gemm returns -1 and the caller keeps its path.
+ * -march=native; without AVX512-BF16 both return -1 and the caller keeps its path.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -29,6 +36,7 @@
 #define MT 6    /* rows of x per micro-tile: 6 x 4 accumulators + 4 weight registers */
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN (1 << 20)
+#define PREFETCH 192 /* bytes ahead of an int8 row's codes that tile8 asks for */
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -112,13 +120,89 @@ static void micro_any(const uint16_t *x, int64_t sx, int rows, const uint16_t *s
     }
 }
 
-/* Returns 0, -1 for shapes it does not take (M < 1, K not a multiple of 32, N not a
- * multiple of 64), -2 when out of memory. */
-int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
-              int64_t N, uint16_t *y, int64_t sy, int threads)
+/* A weight in one of the two forms a tile is dequantized from. */
+struct weight {
+    int64_t N, K;
+    const uint8_t *codes4; /* 4-bit: codes in the int4 kernel's layout, */
+    const uint16_t *sz;    /* its scales and offsets */
+    const int8_t *codes8;  /* int8: codes [N, K], */
+    const float *scales;   /* scales [N, K / group], */
+    const float *lows;     /* minimums like scales, or NULL */
+    int64_t group;         /* inputs per scale: 16 or 32 */
+};
+
+typedef void (*tile_fn)(const struct weight *w, int64_t block, int64_t k0, int64_t kt, uint16_t *scratch);
+
+static void tile4(const struct weight *w, int64_t block, int64_t k0, int64_t kt, uint16_t *scratch)
 {
-    if (M < 1 || K % 32 || N % NB || N < NB)
-        return -1;
+    dequant_tile(w->codes4 + block * NB * w->K / 2, w->sz + block * NB * 2, w->N, k0, kt, scratch);
+}
+
+/* r[i] lane j -> r[j] lane i, for 16 vectors of 16 32-bit lanes (each lane an input pair). */
+static inline void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  /* per 128-bit lane: pairs of rows interleaved */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  /* u[i + c], 128-bit lane L: column 4L + c of rows i..i+3 */
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {      /* gather column 4L + c's four 128-bit pieces */
+        const __m512i a = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x44), b = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x44);
+        const __m512i e = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xee), f = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xee);
+        t[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(a, b, 0xdd);
+        t[8 + c] = _mm512_shuffle_i32x4(e, f, 0x88);
+        t[12 + c] = _mm512_shuffle_i32x4(e, f, 0xdd);
+    }
+    for (int i = 0; i < 16; i++)
+        r[i] = t[i];
+}
+
+/* The K-tile [k0, k0 + kt) of 64-row block `block` of an int8 weight -> scratch, laid out
+ * as dequant_tile's: each row's 32 inputs of a step as 16 bfloat16 pairs, then 16 rows'
+ * pairs transposed so that a pair's 16 rows lie side by side. */
+static void tile8(const struct weight *w, int64_t block, int64_t k0, int64_t kt, uint16_t *scratch)
+{
+    const int64_t K = w->K, G = w->group, groups = K / G, second = G == 16; /* the upper 16 inputs' scale */
+    for (int g = 0; g < 4; g++) {
+        const int64_t n0 = block * NB + g * 16;
+        for (int64_t kc = 0; kc < kt; kc += 32) {
+            const int64_t k = k0 + kc;
+            __m512i v[16];
+            for (int r = 0; r < 16; r++) {
+                const int8_t *c = w->codes8 + (n0 + r) * K + k;
+                _mm_prefetch((const char *)c + PREFETCH, _MM_HINT_T0);
+                const float *s = w->scales + (n0 + r) * groups + k / G;
+                __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)c)));
+                __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(c + 16))));
+                lo = _mm512_mul_ps(lo, _mm512_set1_ps(s[0]));  /* not fused: rounded as the dense weight */
+                hi = _mm512_mul_ps(hi, _mm512_set1_ps(s[second]));
+                if (w->lows) {
+                    const float *l = w->lows + (n0 + r) * groups + k / G;
+                    lo = _mm512_add_ps(lo, _mm512_set1_ps(l[0]));
+                    hi = _mm512_add_ps(hi, _mm512_set1_ps(l[second]));
+                }
+                v[r] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* lane j: inputs k + 2j, k + 2j + 1 */
+            }
+            transpose16(v);
+            for (int j = 0; j < 16; j++)
+                _mm512_storeu_si512(scratch + (kc / 2 + j) * 128 + g * 32, v[j]);
+        }
+    }
+}
+
+/* y = x w^T over the weight's 64-row blocks, each dequantized a K-tile at a time by
+ * `tile`. Returns 0, or -2 when out of memory. */
+static int gemm(const uint16_t *x, int64_t sx, int64_t M, const struct weight *w, tile_fn tile,
+                uint16_t *y, int64_t sy, int threads)
+{
+    const int64_t N = w->N, K = w->K;
     if (M * N * K < PARALLEL_MIN)
         threads = 1;
     int failed = 0;
@@ -133,11 +217,10 @@ int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t
         for (int64_t i = 0; i < N / NB; i++) {
             if (failed)
                 continue;
-            const uint8_t *blk = codes + i * NB * K / 2;
             memset(acc, 0, sizeof(float) * M * NB);
             for (int64_t k0 = 0; k0 < K; k0 += KT) {
                 const int64_t kt = K - k0 < KT ? K - k0 : KT;
-                dequant_tile(blk, sz + i * NB * 2, N, k0, kt, scratch);
+                tile(w, i, k0, kt, scratch);
                 for (int64_t m0 = 0; m0 < M; m0 += MT)
                     micro_any(x + m0 * sx + k0, sx, M - m0 < MT ? (int)(M - m0) : MT, scratch, kt, acc + m0 * NB);
             }
@@ -151,11 +234,41 @@ int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t
     }
     return failed ? -2 : 0;
 }
+
+/* Returns 0, -1 for shapes it does not take (M < 1, K not a multiple of 32, N not a
+ * multiple of 64), -2 when out of memory. */
+int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
+              int64_t N, uint16_t *y, int64_t sy, int threads)
+{
+    if (M < 1 || K % 32 || N % NB || N < NB)
+        return -1;
+    const struct weight w = {.N = N, .K = K, .codes4 = codes, .sz = sz};
+    return gemm(x, sx, M, &w, tile4, y, sy, threads);
+}
+
+/* codes [N, K] int8 (row-major), scales [N, K / group] float32, lows like scales or NULL.
+ * Returns as int4_gemm, and -1 also for a group other than 16 or 32. */
+int int8_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+              const float *lows, int64_t group, int64_t N, uint16_t *y, int64_t sy, int threads)
+{
+    if (M < 1 || K % 32 || N % NB || N < NB || (group != 16 && group != 32))
+        return -1;
+    const struct weight w = {.N = N, .K = K, .codes8 = codes, .scales = scales, .lows = lows, .group = group};
+    return gemm(x, sx, M, &w, tile8, y, sy, threads);
+}
 #else
 int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
               int64_t N, uint16_t *y, int64_t sy, int threads)
 {
     (void)x, (void)sx, (void)M, (void)K, (void)codes, (void)sz, (void)N, (void)y, (void)sy, (void)threads;
+    return -1;
+}
+
+int int8_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const int8_t *codes, const float *scales,
+              const float *lows, int64_t group, int64_t N, uint16_t *y, int64_t sy, int threads)
+{
+    (void)x, (void)sx, (void)M, (void)K, (void)codes, (void)scales, (void)lows, (void)group, (void)N, (void)y,
+        (void)sy, (void)threads;
     return -1;
 }
 #endif

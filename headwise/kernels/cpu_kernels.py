@@ -4,7 +4,7 @@ cpu_decode.c (decode attention over paged blocks or rings, see there), cpu_prefi
 (causal prefill attention in bfloat16 on AVX512-BF16 CPUs), cpu_pointwise.c
 (RMSNorm and the rotary embedding, used by headwise.kernels.pointwise), cpu_matmul.c
 (decode-sized matmuls over int8 weights, headwise.kernels.int8_matmul), cpu_gemm.c
-(matmuls of any row count over 4-bit weights, headwise.kernels.int4_gemm), cpu_select.c
+(matmuls of any row count over 4-bit and int8 weights, headwise.kernels.codes_gemm), cpu_select.c
 (select heads' page selection, headwise.kernels.page_select) and cpu_weights.c
 (weights' codes at start-up, headwise.kernels.weight_codes) are each compiled
 once per source, compiler and CPU with the system C compiler (`$CC`, else `cc`; -O3
@@ -186,11 +186,14 @@ def matmul_library() -> ctypes.CDLL | None:
 
 @functools.cache
 def gemm_library() -> ctypes.CDLL | None:
-    """The matmul over 4-bit codes for any row count (cpu_gemm.c), or None."""
-    lib = _load("cpu_gemm")
+    """The matmuls over 4-bit and int8 codes for any row count (cpu_gemm.c), or None.
+    Without contraction: an int8 tile's scale * code + low is rounded twice, as the dense
+    weight's (layers.quant)."""
+    lib = _load("cpu_gemm", ("-ffp-contract=off",))
     if lib is not None:
         lib.int4_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int]
-        lib.int4_gemm.restype = ctypes.c_int
+        lib.int8_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _ptr, _i64, _i64, _ptr, _i64, ctypes.c_int]
+        lib.int4_gemm.restype = lib.int8_gemm.restype = ctypes.c_int
     return lib
 
 

@@ -1,6 +1,6 @@
 """A model's weights at start-up through cpu_weights.c: GGUF blocks decoded to codes
 (weights.gguf_codes), codes made dense (layers.quant.QuantCodes.dense), 4-bit codes
-packed for PyTorch's int4 CPU matmul (layers.linear.int4_pack).
+packed for PyTorch's int4 CPU matmul (layers.int4.int4_pack).
 
 Each function returns None where the kernel does not apply (no compiled library, a
 layout or dtype it does not take), and the caller keeps its NumPy / PyTorch code. The

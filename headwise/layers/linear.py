@@ -11,16 +11,17 @@ group of 32 inputs; `find_int4()` takes them from the file's blocks (`quant`, se
 the GGUF loader: layers.quant), or else recovers them exactly from the float32 weight (a
 search: HF checkpoints, formats the loader does not read), and calls with at most
 INT4_MAX_ROWS rows then run PyTorch's int4 CPU matmul on a quarter of the bytes
-(bfloat16 activations only: the kernel is slow with float32 ones, see INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
+(layers.int4; bfloat16 activations only: the kernel is slow with float32 ones, see
+INT4_DTYPES). A weight that is exactly int8 codes times a scale per 32 inputs (GGUF Q8_0,
 Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32 (Q5_1,
 Q5_K), keeps those as int8 for calls of at most 4 rows instead (kernels.int8_matmul: about
 half the bytes of bfloat16), chosen inside the packed call.
 Larger calls (prefill, big batches) use the packed dense weight, except in a model
-prepared without dense copies of its 4-bit weights (CausalLM.prepare_weights(dense=False):
-a third of the bytes), whose larger calls read the codes too (kernels.int4_gemm, else
-PyTorch's int4 kernel). Under torch.compile a
-packed call is an opaque custom op (headwise::packed_linear): Inductor lowers oneDNN's
-packed matmul only for weights it packed itself.
+prepared without dense copies (CausalLM.prepare_weights(dense=False): a 4-bit weight is
+a third of the bytes, an int8 one about 60%), whose larger calls read the codes too
+(kernels.codes_gemm, else PyTorch's int4 kernel). Under torch.compile a packed call, and
+a call over int8 codes only, is an opaque custom op (headwise::packed_linear): Inductor
+lowers oneDNN's packed matmul only for weights it packed itself.
 
 Measured by benchmarks/bench_linear.py on this project's 2-core AVX512-BF16 machine
 (bfloat16, SmolLM2's 210 projections): at 1 row plain 22.6 ms, packed 13.0, 4-bit 5.1;
@@ -35,21 +36,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwise.kernels import weight_codes
-from headwise.kernels.int4_gemm import int4_gemm
-from headwise.kernels.int8_matmul import AFFINE_GROUP, check_int8_weight, exact_affine, int8_copy, int8_matmul
+from headwise.kernels.codes_gemm import int8_gemm, int8_gemm_takes
+from headwise.kernels.int8_matmul import check_int8_weight, int8_copy, int8_matmul
 from headwise.layers import opaque
+from headwise.layers.int4 import (INT4_DTYPES, Int4Copy, decode_sized, exact_int4, int4_any_rows, int4_cast,
+                                  int4_codes, int4_pack)
 from headwise.layers.quant import QuantCodes
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
 # decode-sized calls still run 1.7-1.9x faster than plain F.linear with it (bench_linear).
 PACK_ROWS = 1024
-INT4_GROUP = AFFINE_GROUP  # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks, Q4_K sub-blocks)
-INT4_MAX_ROWS = 8   # calls with at most this many rows use the 4-bit weight
-# Activation dtypes the 4-bit copy is kept for. With float32 activations PyTorch's int4
-# CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
-# float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
-INT4_DTYPES = (torch.bfloat16,)
 # Activation dtypes an int8 copy (kernels.int8_matmul) is kept for: where the dense weight
 # is bfloat16, so the copy halves the bytes a decode step reads (float32 engines are the
 # reference runs and keep their exact dense weights).
@@ -76,96 +72,11 @@ def can_pack(weight: torch.Tensor) -> bool:
             and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
-def exact_int4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """w [N, K] float32 as codes [N, K] (int32, 0..15), scale and low [N, K/32] with
-    w = low + code * scale in every group of 32 inputs (to float32 rounding), if w is that
-    and the int4 kernel takes its shape, else None (kernels.int8_matmul.exact_affine: GGUF
-    Q4_1, Q4_0, Q4_K)."""
-    if w.dim() != 2 or w.shape[0] % 16 or not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return None  # the int4 CPU kernel packs output rows by 16
-    return exact_affine(w, 16)
-
-
-def int4_codes(quant: QuantCodes) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """A file's codes in exact_int4's form, or None where they are not 4-bit or the int4
-    kernel is missing."""
-    if not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
-        return None
-    return quant.int4()
-
-
 def activate(y: torch.Tensor, act: str) -> torch.Tensor:
     """`act` (a key of ACTIVATIONS) applied to y, as its own op."""
     if act == "silu":
         return F.silu(y)
     return F.gelu(y, approximate="tanh") if act == "gelu_tanh" else y
-
-
-def int4_pack(codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """exact_int4's or QuantCodes.int4's result (codes int32 or int8, 0..15) in the int4 CPU
-    kernel's form: (codes [N, K/2] uint8, scales and offsets [K/32, N, 2]); the kernel
-    computes w = (code - 8) * scale + offset. int8 codes are packed by the C kernel where
-    it lays them out as PyTorch does (kernels.weight_codes.pack_int4: one pass, no int32 copy)."""
-    sz = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous()
-    packed = weight_codes.pack_int4(codes)
-    if packed is None:
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.to(torch.int32), 1)
-    return packed, sz
-
-
-def int4_cast(int4: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A 4-bit copy's scales in the activation dtype, or None for a dtype the int4 kernel
-    is slow in (INT4_DTYPES): the layer then runs its packed weight."""
-    return (int4[0], int4[1].to(dtype)) if dtype in INT4_DTYPES else None
-
-
-def decode_sized(x: torch.Tensor) -> bool:
-    """A call small enough for the 4-bit weight (decode)."""
-    return x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
-
-
-def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [M, K] -> [M, N] by PyTorch's int4 kernel, for any M: decode-sized calls of every
-    4-bit copy, and the calls kernels.int4_gemm declines in a model with no dense copy."""
-    codes, sz = int4
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), codes, INT4_GROUP, sz)
-
-
-def int4_any_rows(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
-    """x [M, K] -> [M, N] over a 4-bit copy, whatever M: PyTorch's int4 kernel for
-    decode-sized calls (the faster one there), kernels.int4_gemm above (2.3-2.5x faster
-    than PyTorch's from 16 rows: it dequantizes each weight block once per call, not per 4
-    rows), PyTorch's kernel where that declines (no AVX512-BF16, a torch.compile trace)."""
-    if not decode_sized(x):
-        y = int4_gemm(x, *int4)
-        if y is not None:
-            return y
-    return int4_matmul(x, int4)
-
-
-class Int4Copy:
-    """The 4-bit copy a module keeps, as buffers (so a compiled graph takes them as inputs):
-    `int4` is (codes packed by the int4 kernel [N, K/2] uint8, scales and offsets
-    [K/32, N, 2]) or None."""
-
-    @staticmethod
-    def init(module: nn.Module) -> None:
-        module.register_buffer("int4_codes", None, persistent=False)
-        module.register_buffer("int4_scales", None, persistent=False)
-
-    @property
-    def int4(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.int4_codes is None else (self.int4_codes, self.int4_scales)
-
-    @int4.setter
-    def int4(self, value: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        self.int4_codes, self.int4_scales = (None, None) if value is None else value
-
-    def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
-        """x [..., K] through the 4-bit copy (plus the module's bias) -> [..., N]."""
-        y = int4_any_rows(x.reshape(-1, x.shape[-1]), self.int4)
-        y = y.view(*x.shape[:-1], y.shape[-1])
-        return y if self.bias is None else y + self.bias
 
 
 class Linear(Int4Copy, nn.Module):
@@ -262,14 +173,28 @@ class Linear(Int4Copy, nn.Module):
         self.weight = None  # a tied weight stays with its other owner (the embedding)
         return True
 
+    def codes_suffice(self, dtype: torch.dtype) -> bool:
+        """Whether every call in activations of `dtype` can read the layer's codes alone
+        (keep_codes_only): a 4-bit copy and a dtype of INT4_DTYPES, else an int8 copy that
+        kernels.codes_gemm.int8_gemm reads on this machine and a dtype of INT8_DTYPES."""
+        if self.int4 is not None:
+            return dtype in INT4_DTYPES
+        return (self.int8_codes is not None and dtype in INT8_DTYPES
+                and int8_gemm_takes(self.int8_codes, self.int8_scales, self.int8_lows))
+
     def keep_codes_only(self, dtype: torch.dtype) -> None:
-        """Run every call on the 4-bit copy (scales cast to `dtype`, one of INT4_DTYPES):
-        the dense weight is let go of, or never made from the file's codes (a third of
-        the bytes; CausalLM.prepare_weights(dense=False))."""
-        if self.int4 is None or dtype not in INT4_DTYPES:
-            raise ValueError(f"keep_codes_only: needs a 4-bit copy and {INT4_DTYPES} activations")
-        self.int4 = int4_cast(self.int4, dtype)
-        self.drop_dense()
+        """Run every call on the layer's codes (codes_suffice): its 4-bit copy (scales cast
+        to `dtype`), else its int8 copy (scales stay float32). The dense weight is let go
+        of, or never made from the file's codes (CausalLM.prepare_weights(dense=False))."""
+        if not self.codes_suffice(dtype):
+            raise ValueError(f"keep_codes_only: needs a 4-bit copy and {INT4_DTYPES} activations, or an int8 "
+                             f"copy the int8 matmul reads and {INT8_DTYPES} activations")
+        if self.int4 is not None:
+            self.int4 = int4_cast(self.int4, dtype)
+            self.drop_dense()
+        else:
+            check_int8_weight(self.int8_codes, self.int8_scales, self.int8_lows)
+            self.quant = self.weight = None  # a tied weight stays with its other owner
         if self.bias is not None:
             self.bias.data = self.bias.data.to(dtype).contiguous()
 
@@ -281,12 +206,14 @@ class Linear(Int4Copy, nn.Module):
 
     @property
     def codes_only(self) -> bool:
-        """Kept as its 4-bit copy alone (keep_codes_only): every call reads the codes."""
-        return self.packed is None and self.weight is None and self.int4 is not None
+        """Kept as its 4-bit or int8 copy alone (keep_codes_only): every call reads the codes."""
+        return self.packed is None and self.weight is None and (self.int4 is not None or self.int8_codes is not None)
 
     def dense_weight(self) -> torch.Tensor:
         """The weight [out, in] in plain layout, packed or not; as the 4-bit kernel computes
         it for a layer kept as codes only."""
+        if self.codes_only and self.int4 is None:  # bfloat16: the one dtype kept so (INT8_DTYPES)
+            return self._int8_quant().dense(torch.bfloat16)
         if self.codes_only:  # x = I gives the weight's columns; rows of I in runs of 1024
             eye = torch.eye(self.in_features, dtype=self.int4_scales.dtype)
             return torch.cat([int4_any_rows(eye[r:r + 1024], self.int4)
@@ -298,7 +225,7 @@ class Linear(Int4Copy, nn.Module):
         if act not in ACTIVATIONS:
             raise ValueError(f"unsupported activation {act!r}; expected one of {tuple(ACTIVATIONS)}")
         if self.codes_only:
-            return activate(self.int4_mm(x), act)
+            return activate(self.int4_mm(x), act) if self.int4 is not None else self._packed(x, act, None)
         small = self._small(x)
         if self.packed is not None and not small:
             return self._packed(x, act, None)
@@ -306,9 +233,9 @@ class Linear(Int4Copy, nn.Module):
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """self(x) * other, the product taken inside the matmul when packed."""
-        if self.codes_only or self._small(x):
+        if (self.codes_only and self.int4 is not None) or self._small(x):
             return self.int4_mm(x) * other
-        if self.packed is not None:
+        if self.packed is not None or self.codes_only:
             return self._packed(x, "none", other)
         return F.linear(x, self.weight, self.bias) * other
 
@@ -320,8 +247,9 @@ class Linear(Int4Copy, nn.Module):
     def packed_call(self, x: torch.Tensor, act: str, other: torch.Tensor | None) -> torch.Tensor:
         """The packed weight's matmul with `act` fused, or (other given) times `other`; a
         call of a few rows goes through the int8 copy where there is one (decided here, at
-        run time, so a compiled graph holds one op for every row count)."""
-        y = self._int8(x)
+        run time, so a compiled graph holds one op for every row count), and every call
+        does where that copy is all there is of the weight."""
+        y = self._int8(x) if self.packed is not None else self._int8_any_rows(x)
         if y is not None:
             return activate(y, act) if other is None else y * other
         if other is not None:
@@ -336,6 +264,25 @@ class Linear(Int4Copy, nn.Module):
             return None
         y = int8_matmul(x, self.int8_codes, self.int8_scales, self.int8_lows, checked=True)
         return y if y is None or self.bias is None else y + self.bias
+
+    def _int8_any_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., in] through an int8 copy kept as the only weight (plus bias) -> [..., out]:
+        kernels.int8_matmul up to its row count, kernels.codes_gemm above; activations
+        neither takes (float32, a strided view) multiply the weight made dense for the call."""
+        x2 = x.reshape(-1, x.shape[-1])
+        y = self._int8(x2)
+        if y is None:
+            y = int8_gemm(x2, self.int8_codes, self.int8_scales, self.int8_lows)
+            if y is None:
+                y = F.linear(x2, self._int8_quant().dense(x.dtype))
+            if self.bias is not None:
+                y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _int8_quant(self) -> QuantCodes:
+        """The int8 copy as layers.quant's form (its dense() is the weight it stands for)."""
+        group = self.in_features // self.int8_scales.shape[1]
+        return QuantCodes(self.int8_codes, self.int8_scales, self.int8_lows, group, 256)
 
     def _small(self, x: torch.Tensor) -> bool:
         return self.packed is not None and self.int4 is not None and decode_sized(x)

@@ -78,7 +78,7 @@ class QuantCodes:
 
     def int4(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """(codes [N, K] int8 0..15, scales, lows [N, K/32]) with w = low + code * scale,
-        as layers.linear.int4_pack takes them, or None: more than 16 levels, groups other
+        as layers.int4.int4_pack takes them, or None: more than 16 levels, groups other
         than 32, or rows the int4 kernel cannot pack (it packs them by 16)."""
         if self.levels > INT4_LEVELS or self.group != INT4_GROUP or self.codes.shape[0] % 16:
             return None

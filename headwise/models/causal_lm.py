@@ -9,7 +9,8 @@ from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
 from headwise.layers.embedding import Embedding
-from headwise.layers.linear import INT4_DTYPES, INT8_DTYPES, FusedInt4, Linear
+from headwise.layers.int4 import INT4_DTYPES
+from headwise.layers.linear import INT8_DTYPES, FusedInt4, Linear
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding
 from headwise.models.config import ModelConfig
@@ -69,10 +70,10 @@ class CausalLM(nn.Module):
         weights, which hold them exactly only before rounding to 16 bits. Weights a lazy
         load left as codes are made dense here, each straight in `dtype`. float32 norms keep
         their float32 weights; an int8 token embedding is then looked up from its codes
-        (layers.embedding). dense=False: a weight with a 4-bit copy (its own or its
-        fusion's) keeps only that, and every call reads it (bfloat16 activations only:
-        layers.linear.INT4_DTYPES, on the CPU; otherwise dense as usual). Call once, on the final
-        device, after any edit of the weights."""
+        (layers.embedding). dense=False: a weight with codes every call can read (a 4-bit
+        copy, its own or its fusion's, or an int8 one: Linear.codes_suffice) keeps only
+        those (bfloat16 activations only, on the CPU; otherwise dense as usual). Call once,
+        on the final device, after any edit of the weights."""
         linears = [m for m in self.modules() if isinstance(m, Linear)]
         embed = self.model.embed_tokens
         tied = self.config.tie_word_embeddings
@@ -80,12 +81,11 @@ class CausalLM(nn.Module):
         # Kept as codes only, a layer lets go of its file's codes (int8, a byte per weight)
         # as soon as they are packed (half a byte), not after every layer is: a cold start
         # then never holds the whole model both ways (Qwen2.5-Coder-1.5B: peak while
-        # preparing 4.2 -> 3.2 GB). The tied projection waits for the embedding, which
-        # reads its copies below.
+        # preparing 4.2 -> 3.2 GB).
         codes_only: set[Linear] = set()
 
         def keep_codes_only(m: Linear) -> None:
-            if keep_codes and m.int4 is not None and m.packable():  # on the CPU (the int4 kernels' device)
+            if keep_codes and m.packable() and m.codes_suffice(dtype):  # on the CPU (the kernels' device)
                 m.keep_codes_only(dtype)
                 codes_only.add(m)
 
@@ -99,11 +99,12 @@ class CausalLM(nn.Module):
             m.find_int8()  # where there is no 4-bit copy
             if not (tied and m is self.lm_head):
                 keep_codes_only(m)
-        embed.find_int8(self.lm_head if tied else None)
-        if tied:  # the projection packs the embedding's dense weight
-            embed.materialize(dtype)
-            self.lm_head.weight = embed.weight
+        embed.find_int8(self.lm_head if tied else None)  # shares the tied projection's int8 copy
+        if tied:
             keep_codes_only(self.lm_head)
+            if self.lm_head not in codes_only:  # the projection packs the embedding's dense weight
+                embed.materialize(dtype)
+                self.lm_head.weight = embed.weight
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         # float32 scales and minimums of the int8 copies: exact
         scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}

@@ -53,7 +53,7 @@ PREPARED_BYTES = 16 << 30  # the cache directory's bound (least recently used go
 ALIGN = 64
 STALE_TMP_S = 3600  # a temporary directory this old is a writer that died
 # The code whose output an entry holds: any change to it is a new key.
-_SOURCES = ("layers/linear.py", "layers/embedding.py", "layers/quant.py", "layers/norm.py",
+_SOURCES = ("layers/linear.py", "layers/int4.py", "layers/embedding.py", "layers/quant.py", "layers/norm.py",
             "models/causal_lm.py", "models/head_order.py", "models/llama.py", "models/gemma3.py",
             "weights/gguf_codes.py", "weights/gguf_loader.py", "weights/prepared.py",
             "kernels/int8_matmul.py", "kernels/weight_codes.py", "kernels/cpu_weights.c")

@@ -1,0 +1,95 @@
+"""Matmuls of any row count over a weight kept only as codes (kernels/cpu_gemm.c), with no
+dense copy beside them:
+- int4_gemm: 4-bit codes in the packed form of PyTorch's int4 CPU matmul
+  (layers.int4.int4_pack): codes [N, K / 2] uint8 and scales with offsets
+  [K / 32, N, 2] bfloat16;
+- int8_gemm: int8 codes [N, K] with a float32 scale (and minimum, or none) per 16 or 32
+  inputs, as kernels.int8_matmul reads them (GGUF Q8_0, Q6_K, Q5_0, Q5_K ...).
+
+PyTorch's own int4 kernel is the faster one at a few rows and loses to the packed
+bfloat16 weight from about 16 (layers/linear.py); kernels.int8_matmul takes up to 4 rows.
+These dequantize each weight once per call into a bfloat16 tile and multiply every row
+against it with AVX512-BF16 dot products: int4_gemm within 2-15% of the packed weight's
+time from 8 rows to prefill chunks, from a third of its bytes (benchmarks/bench_codes_gemm.py,
+docs/benchmarks.md). The engine calls them (layers.linear) for the larger calls of a
+model kept without dense copies (dense_weights=False).
+"""
+from __future__ import annotations
+
+import torch
+
+from headwise.kernels.cpu_kernels import gemm_library
+from headwise.kernels.weight_codes import int4_layout_matches
+
+BLOCK_ROWS = 64  # output rows per block of the kernels' tiles: N must be a multiple
+INT8_GROUPS = (16, 32)  # inputs per scale int8_gemm reads
+
+
+def _takes(x: torch.Tensor) -> bool:
+    """Activations the kernels take: [M, K] bfloat16 on the CPU, unit inner stride, M > 0,
+    outside a torch.compile trace."""
+    return (not torch.compiler.is_dynamo_compiling() and x.device.type == "cpu" and x.dtype == torch.bfloat16
+            and x.dim() == 2 and x.shape[0] > 0 and x.stride(-1) == 1)
+
+
+def int4_gemm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] bfloat16 (unit inner stride) times the 4-bit weight (codes [N, K / 2]
+    uint8, sz [K / 32, N, 2] bfloat16: w = (code - 8) * scale + offset, rounded to
+    bfloat16) transposed -> [M, N] bfloat16, accumulated in float32. None where the kernel
+    does not apply: no compiled library or AVX512-BF16, another dtype or device, N not a
+    multiple of 64, a PyTorch build whose packed layout is not the one read here, inside
+    a torch.compile trace."""
+    if not _takes(x):
+        return None
+    M, K = x.shape
+    N = codes.shape[0]
+    if (codes.dtype != torch.uint8 or codes.shape != (N, K // 2) or not codes.is_contiguous() or K % 32
+            or N % BLOCK_ROWS or sz.dtype != torch.bfloat16 or sz.shape != (K // 32, N, 2)
+            or not sz.is_contiguous() or not int4_layout_matches()):
+        return None
+    lib = gemm_library()
+    if lib is None:
+        return None
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    rc = lib.int4_gemm(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), sz.data_ptr(), N, out.data_ptr(), N,
+                       torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("int4 gemm: out of memory")
+    return None if rc else out
+
+
+def int8_gemm_takes(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None) -> bool:
+    """Whether int8_gemm reads this weight (as kernels.int8_matmul.check_int8_weight
+    checks it) on this machine: N a multiple of 64, K of 32, and a built kernel."""
+    N, K = codes.shape
+    return (N % BLOCK_ROWS == 0 and N > 0 and K % 32 == 0 and K // scales.shape[1] in INT8_GROUPS
+            and codes.device.type == "cpu"
+            and int8_gemm(torch.zeros(1, K, dtype=torch.bfloat16), codes[:BLOCK_ROWS], scales[:BLOCK_ROWS],
+                          None if lows is None else lows[:BLOCK_ROWS]) is not None)
+
+
+def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
+              lows: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [M, K] bfloat16 (unit inner stride) times the int8 weight (codes [N, K] int8,
+    scales [N, K / G] float32 with G = 16 or 32, lows like scales or None, all contiguous:
+    w = code * scale (+ low) in float32, rounded to bfloat16, as layers.quant's dense
+    weight) transposed -> [M, N] bfloat16, accumulated in float32. None where the kernel
+    does not apply (as int4_gemm; also a group other than 16 or 32). The weight's form is
+    the caller's to have checked (kernels.int8_matmul.check_int8_weight)."""
+    if not _takes(x):
+        return None
+    M, K = x.shape
+    N = codes.shape[0]
+    if (codes.shape[1] != K or K % 32 or N % BLOCK_ROWS or K % scales.shape[1]
+            or K // scales.shape[1] not in INT8_GROUPS):
+        return None
+    lib = gemm_library()
+    if lib is None:
+        return None
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    rc = lib.int8_gemm(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), scales.data_ptr(),
+                       None if lows is None else lows.data_ptr(), K // scales.shape[1], N, out.data_ptr(), N,
+                       torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError("int8 gemm: out of memory")
+    return None if rc else out
