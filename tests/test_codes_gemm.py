@@ -143,3 +143,22 @@ def test_int8_strided_rows_threads_and_what_it_declines():
     assert int8_gemm(x, q.codes, q.scales[:, :4]) is None                # 64 inputs per scale
     assert int8_gemm_takes(q.codes, q.scales, None)
     assert not int8_gemm_takes(q.codes[:96], q.scales[:96], None)
+
+
+@pytest.mark.parametrize("n,m", [(192, 30), (192, 1100), (128, 1021)])
+def test_rows_split_into_runs_sum_as_one(n, m):
+    """Long calls are cut into runs of rows (and, on a weight of few 64-row blocks, into
+    a multiple of the threads): every output is the same as one thread's (whose runs are
+    cut by length only), and the product stays within its bound."""
+    packed, sz, w = weight(n, 64, seed=m)
+    q = int8_weight(n, 64, 32, False, seed=m)
+    x = torch.randn(m, 64, generator=torch.Generator().manual_seed(n)).to(torch.bfloat16)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        ys = int4_gemm(x, packed, sz), int8_gemm(x, q.codes, q.scales)
+        torch.set_num_threads(1)
+        assert torch.equal(ys[0], int4_gemm(x, packed, sz)) and torch.equal(ys[1], int8_gemm(x, q.codes, q.scales))
+    finally:
+        torch.set_num_threads(threads)
+    assert bounded(ys[0], x, w) and bounded(ys[1], x, q.dense(torch.bfloat16))

@@ -34,6 +34,7 @@
 #define NB 64   /* weight rows per block of the packed layout */
 #define KT 1024 /* inputs per K-tile: a tile's scratch is 64 x 1024 bfloat16 (128 KiB, in L2) */
 #define MT 6    /* rows of x per micro-tile: 6 x 4 accumulators + 4 weight registers */
+#define MCHUNK 510 /* rows of x per task at most (a multiple of MT): 128 KiB of accumulators */
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN (1 << 20)
 #define PREFETCH 192 /* bytes ahead of an int8 row's codes that tile8 asks for */
@@ -198,35 +199,46 @@ static void tile8(const struct weight *w, int64_t block, int64_t k0, int64_t kt,
 }
 
 /* y = x w^T over the weight's 64-row blocks, each dequantized a K-tile at a time by
- * `tile`. Returns 0, or -2 when out of memory. */
+ * `tile`, for runs of at most MCHUNK rows of x (the accumulators of a run stay in L2). A
+ * weight of few blocks (SmolLM2's 576 outputs: 9) is also split by rows of x so that
+ * every thread gets as much: each (block, run) is a task, and a run's tiles are
+ * dequantized again, which costs little beside multiplying hundreds of rows. Each output
+ * is summed in the same order however the work is split. Returns 0, or -2 when out of
+ * memory. */
 static int gemm(const uint16_t *x, int64_t sx, int64_t M, const struct weight *w, tile_fn tile,
                 uint16_t *y, int64_t sy, int threads)
 {
-    const int64_t N = w->N, K = w->K;
+    const int64_t N = w->N, K = w->K, blocks = N / NB;
     if (M * N * K < PARALLEL_MIN)
         threads = 1;
+    int64_t runs = (M + MCHUNK - 1) / MCHUNK;
+    if (threads > 1 && (blocks * runs) % threads && M >= 2 * MT * threads)
+        runs = (runs + threads - 1) / threads * threads;  /* tasks a multiple of the threads */
+    const int64_t step = ((M + runs - 1) / runs + MT - 1) / MT * MT;
     int failed = 0;
     #pragma omp parallel num_threads(threads) reduction(| : failed)
     {
         uint16_t *scratch = aligned_alloc(64, KT * NB * sizeof(uint16_t));
-        float *acc = aligned_alloc(64, sizeof(float) * M * NB);
+        float *acc = aligned_alloc(64, sizeof(float) * (step < M ? step : M) * NB);
         failed = !scratch || !acc;
         /* Every thread meets the loop (a worksharing loop some threads skip would hang);
-         * one without its buffers leaves its blocks unwritten and the call fails. */
+         * one without its buffers leaves its tasks unwritten and the call fails. */
         #pragma omp for schedule(static)
-        for (int64_t i = 0; i < N / NB; i++) {
-            if (failed)
+        for (int64_t t = 0; t < blocks * runs; t++) {
+            const int64_t i = t / runs, r0 = t % runs * step, rows = M - r0 < step ? M - r0 : step;
+            if (failed || rows <= 0)
                 continue;
-            memset(acc, 0, sizeof(float) * M * NB);
+            memset(acc, 0, sizeof(float) * rows * NB);
             for (int64_t k0 = 0; k0 < K; k0 += KT) {
                 const int64_t kt = K - k0 < KT ? K - k0 : KT;
                 tile(w, i, k0, kt, scratch);
-                for (int64_t m0 = 0; m0 < M; m0 += MT)
-                    micro_any(x + m0 * sx + k0, sx, M - m0 < MT ? (int)(M - m0) : MT, scratch, kt, acc + m0 * NB);
+                for (int64_t m0 = 0; m0 < rows; m0 += MT)
+                    micro_any(x + (r0 + m0) * sx + k0, sx, rows - m0 < MT ? (int)(rows - m0) : MT, scratch, kt,
+                              acc + m0 * NB);
             }
-            for (int64_t m = 0; m < M; m++)
+            for (int64_t m = 0; m < rows; m++)
                 for (int g = 0; g < 4; g++)
-                    _mm256_storeu_si256((__m256i *)(y + m * sy + i * NB + g * 16),
+                    _mm256_storeu_si256((__m256i *)(y + (r0 + m) * sy + i * NB + g * 16),
                                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(acc + m * NB + g * 16)));
         }
         free(scratch);
