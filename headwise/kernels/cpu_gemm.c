@@ -1,9 +1,9 @@
 /* Matmul of any row count over a weight kept only as codes. int4_gemm: 4-bit codes, in the
- * layout PyTorch's int4 CPU matmul reads on AVX-512 builds (layers.int4.int4_pack, kernels/cpu_weights.c
- * pack_int4): codes [N / 64][K][32 B], byte d (d < 16) holding rows d and d + 32 of the
- * block (low, high nibble) and byte 16 + d rows d + 16 and d + 48; scales and offsets
- * sz [K / 32][N][2] bfloat16, the weight being w = (code - 8) * scale + offset, in float32
- * as PyTorch's kernel computes it, then rounded to bfloat16.
+ * layout PyTorch's int4 CPU matmul reads on AVX-512 builds (layers.int4.int4_pack,
+ * kernels/cpu_weights.c pack_int4): codes [N / 64][K][32 B], byte d (d < 16) holding rows
+ * d and d + 32 of the block (low, high nibble) and byte 16 + d rows d + 16 and d + 48;
+ * scales and offsets sz [K / 32][N][2] bfloat16, the weight being w = (code - 8) * scale
+ * + offset, in float32 as PyTorch's kernel computes it, then rounded to bfloat16.
  *
  * Why: PyTorch's int4 kernel dequantizes each weight again for every 4 rows of x, so it
  * loses to the packed bfloat16 weight from about 16 rows on (layers/linear.py); a model
