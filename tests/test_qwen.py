@@ -145,3 +145,32 @@ def test_tool_calls_and_fill_in_the_middle(qwen):
         r = c.post("/v1/completions", json={"prompt": "def add(a, b):\n    return ", "suffix": "\n\nprint(add(1, 2))\n",
                                             "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200 and r.json()["choices"][0]["text"].replace(" ", "").startswith("a+b"), r.text
+
+
+def test_int8_weights_kept_as_codes_only_answer_as_their_dense_copies(qwen, monkeypatch):
+    """dense_weights=False keeps the 0.5B's int8-coded weights (Q5_0, Q8_0, Q6_K) with no
+    dense copy: prefill and batched calls multiply its codes (kernels.codes_gemm.int8_gemm,
+    whose tile is the dense bfloat16 weight exactly), so greedy tokens are those of an
+    engine whose int8 weights keep prepacked dense copies, the 4-bit ones alike in both."""
+    from headwise.kernels.codes_gemm import int8_gemm
+    from headwise.layers.int4 import INT4_DTYPES
+    from headwise.layers.linear import Linear
+
+    if int8_gemm(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(64, 32, dtype=torch.int8),
+                 torch.ones(64, 1)) is None:
+        pytest.skip("no AVX512-BF16 matmul over int8 codes on this machine")
+    opts = dict(head_layout="full", dtype="bfloat16", dense_weights=False, prepared_weights_cache=False,
+                enforce_eager=True, max_model_len=2048, kv_cache_memory=1 << 27)
+    ids = qwen[1].tokenizer.encode_chat(CHAT)
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    codes = LLM(NAME, **opts)
+    int8_only = [m for m in codes.engine.model.modules() if isinstance(m, Linear) and m.codes_only and m.int4 is None]
+    # 157 of its 169 linears are Q5_0, Q8_0 or Q6_K
+    assert len(int8_only) > 150 and all(m.packed is None and m.int8_codes is not None for m in int8_only)
+    got = codes.generate([ids, ids[:40]], params)
+    del codes
+    monkeypatch.setattr(Linear, "codes_suffice", lambda self, dtype: self.int4 is not None and dtype in INT4_DTYPES)
+    dense = LLM(NAME, **opts)
+    assert not any(m.codes_only and m.int4 is None for m in dense.engine.model.modules() if isinstance(m, Linear))
+    want = dense.generate([ids, ids[:40]], params)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
