@@ -97,14 +97,11 @@ class CausalLM(nn.Module):
         for m in linears:  # the others (and the parts of a fusion that did not apply)
             m.find_int4()
             m.find_int8()  # where there is no 4-bit copy
-            if not (tied and m is self.lm_head):
-                keep_codes_only(m)
+            keep_codes_only(m)
         embed.find_int8(self.lm_head if tied else None)  # shares the tied projection's int8 copy
-        if tied:
-            keep_codes_only(self.lm_head)
-            if self.lm_head not in codes_only:  # the projection packs the embedding's dense weight
-                embed.materialize(dtype)
-                self.lm_head.weight = embed.weight
+        if tied and self.lm_head not in codes_only:  # the projection packs the embedding's dense weight
+            embed.materialize(dtype)
+            self.lm_head.weight = embed.weight
         kept = {m: m.weight.data.float() for m in self.modules() if isinstance(m, RMSNorm) and m.upcast}
         # float32 scales and minimums of the int8 copies: exact
         scales = {m: (m.int8_scales, m.int8_lows) for m in linears + [embed] if m.int8_scales is not None}
