@@ -343,6 +343,48 @@ def test_chosen_pages_are_in_position_order_within_budget(B, kernel):
             assert int(sel_lens[h, b]) == (len(pages) - 1) * BS + int(lens[b]) - (P - 1) * BS
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_chooses_as_pytorch_over_many_pages(dtype):
+    """The C kernel over real head sizes and hundreds of pages (sixteen pages scored at a
+    time, a last partial group; in bfloat16 the pair dot-product path where the CPU has
+    it): the pages PyTorch's float32 bounds rank highest, in position order."""
+    if cpu_kernels.select_library() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    n, G, D, W, B = 2, 7, 64, 301, 3
+    g = torch.Generator().manual_seed(7)
+    summary = torch.randn(B * W + 5, n, 2, D, generator=g).sort(dim=2).values.to(dtype)
+    tables = torch.randperm(B * W + 5, generator=g)[:B * W].view(B, W).to(torch.int32)
+    lens = torch.tensor([W * BS - 3, 200 * BS, 37 * BS + 1])
+    q = torch.randn(B, n * G, D, generator=g).to(dtype)
+    K = select.page_count(lens.tolist(), W, BS, sink=64, window=256, budget=1024)
+    got = page_select.select_pages(q, summary, tables, lens, BS, 64, 256, 1024 // BS, K)
+    assert got is not None
+    bounds = select.page_bounds(q.view(B, n, G, D), summary[tables.long()])  # [B, n, W] float32
+    for b in range(B):
+        P = -(-int(lens[b]) // BS)
+        forced = [p for p in range(P) if p * BS < 64 or (p + 1) * BS > int(lens[b]) - 256]
+        for h in range(n):
+            rest = sorted(set(range(P)) - set(forced), key=lambda p: -float(bounds[b, h, p]))
+            want = sorted(forced + rest[:max(0, 1024 // BS - len(forced))])
+            assert got[0][h, b, :len(want)].tolist() == [int(tables[b, p]) for p in want]
+            assert int(got[1][h, b]) == (len(want) - 1) * BS + int(lens[b]) - (P - 1) * BS
+
+
+def test_kernel_breaks_ties_toward_the_lower_page():
+    """Equal bounds (here every summary zero, as in a cache nothing was written to): the
+    pages chosen by bound are the lowest candidates, whatever the order of the table."""
+    if cpu_kernels.select_library() is None:
+        pytest.skip("no C compiler: the kernel is not built")
+    n, G, D, W = 1, 2, 32, 100
+    summary = torch.zeros(W, n, 2, D, dtype=torch.bfloat16)
+    tables = torch.randperm(W, generator=torch.Generator().manual_seed(1))[None].to(torch.int32)
+    q = torch.randn(1, n * G, D).to(torch.bfloat16)
+    lens = torch.tensor([W * BS])
+    got, _ = page_select.select_pages(q, summary, tables, lens, BS, 16, 32, 10, 10)
+    want = [0] + list(range(1, 8)) + [98, 99]  # the sink page, 7 by bound, the 2 window pages
+    assert got[0, 0].tolist() == [int(tables[0, p]) for p in want]
+
+
 def test_a_next_turn_over_generated_tokens_equals_computing_from_scratch(llama):
     """A prompt that repeats an earlier answer: the answer's K/V were decoded with page
     selection, so its blocks are not offered as a prefix (the prompt's are); the next

@@ -42,6 +42,139 @@ typedef float vlanes __attribute__((vector_size(LANES * sizeof(float))));  /* GC
 typedef float vhalf __attribute__((vector_size(LANES / 2 * sizeof(float))));
 typedef float vquarter __attribute__((vector_size(LANES / 4 * sizeof(float))));
 
+/* q's g rows from q + off (row stride q_sh) as float32 positive and negative parts */
+static void split_q(const void *q, int64_t off, int64_t q_sh, int q_bf16, int64_t g, int64_t D,
+                    float qp[][MAX_D], float qn[][MAX_D])
+{
+    for (int64_t j = 0; j < g; j++) {
+        Row x;
+        load_row(q, off + j * q_sh, q_bf16, &x, D);
+        for (int64_t d = 0; d < D; d++) {
+            qp[j][d] = x.f[d] > 0 ? x.f[d] : 0;
+            qn[j][d] = x.f[d] < 0 ? x.f[d] : 0;
+        }
+    }
+}
+
+/* Bound of one page for each of the g query rows, as LANES partial sums per row:
+ * part[j] = sum over d-chunks of qp[j] * max + qn[j] * min, lane by lane */
+static inline void page_partials(const Row *lohi, const float qp[][MAX_D], const float qn[][MAX_D],
+                                 int64_t g, int64_t D, vlanes *part)
+{
+    const float *lo = lohi->f, *hi = lohi->f + D;
+    for (int64_t j = 0; j < g; j++) {
+        vlanes acc = {0};
+        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
+            vlanes a, b, c, e;
+            memcpy(&a, &qp[j][d0], sizeof a);
+            memcpy(&b, &hi[d0], sizeof b);
+            memcpy(&c, &qn[j][d0], sizeof c);
+            memcpy(&e, &lo[d0], sizeof e);
+            acc += a * b + c * e;
+        }
+        part[j] = acc;
+    }
+}
+
+#if defined(__AVX512F__) && LANES == 16
+#include <immintrin.h>
+
+/* The 16 lane sums of v[0..16) as one vector, lane i = the sum of v[i]: 15 pairwise
+ * folds (two shuffles and an add each) instead of 16 separate horizontal sums */
+static inline __m512 sum16(const vlanes *v)
+{
+    __m512 w[8], x[4], y[2];
+    for (int i = 0; i < 8; i++) {  /* quarters 0+2, 1+3: pages 2i, 2i+1, 8 partials each */
+        __m512 a = (__m512)v[2 * i], b = (__m512)v[2 * i + 1];
+        w[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    }
+    for (int i = 0; i < 4; i++)    /* quarter L: page 4i + L, 4 partials */
+        x[i] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(w[2 * i], w[2 * i + 1], 0xDD));
+    for (int i = 0; i < 2; i++)    /* quarter L: pages 8i + L, 8i + 4 + L, 2 partials each */
+        y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], 0xEE));
+    /* quarter L, element m: page 4m + L */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(y[0], y[1], 0x88), _mm512_shuffle_ps(y[0], y[1], 0xDD));
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    return _mm512_permutexvar_ps(order, s);
+}
+
+/* Bounds of pages [p0, p1) (sixteen at a time) into score[0 .. p1 - p0) */
+static void page_bounds(const void *summ, int64_t s_block, int64_t s_head, int s_bf16, const int32_t *row,
+                        int64_t p0, int64_t p1, int64_t h, int64_t g, int64_t D,
+                        const void *q, int64_t q_off, int64_t q_sh, int q_bf16, float *score)
+{
+    float qp[MAX_G][MAX_D], qn[MAX_G][MAX_D];
+    split_q(q, q_off, q_sh, q_bf16, g, D, qp, qn);
+    vlanes part[MAX_G][16];
+    Row lohi;  /* the page's key minimum, then maximum: [2, D] */
+    for (int64_t base = p0; base < p1; base += 16) {
+        int64_t m = p1 - base < 16 ? p1 - base : 16;
+        for (int64_t i = 0; i < m; i++) {
+            load_row(summ, (int64_t)row[base + i] * s_block + h * s_head, s_bf16, &lohi, 2 * D);
+            vlanes acc[MAX_G];
+            page_partials(&lohi, qp, qn, g, D, acc);
+            for (int64_t j = 0; j < g; j++) part[j][i] = acc[j];
+        }
+        for (int64_t j = 0; j < g; j++)
+            for (int64_t i = m; i < 16; i++) part[j][i] = (vlanes){0};
+        __m512 best = sum16(part[0]);
+        for (int64_t j = 1; j < g; j++) best = _mm512_max_ps(best, sum16(part[j]));
+        _mm512_mask_storeu_ps(score + (base - p0), (__mmask16)((1u << m) - 1), best);
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+/* Bounds of pages [p0, p1) from bfloat16 queries and summaries, D a multiple of 32:
+ * each page's minimum and maximum rows are interleaved into (min_d, max_d) pairs and
+ * met by (q's negative part, q's positive part) pairs in one dot-product instruction,
+ * qn_d * min_d + qp_d * max_d. The products of two bfloat16 values are exact in float32,
+ * as in page_bounds, so only the order of the float32 additions differs. */
+#define HAS_BF16_BOUNDS 1
+static void page_bounds_bf16(const uint16_t *summ, int64_t s_block, int64_t s_head, const int32_t *row,
+                             int64_t p0, int64_t p1, int64_t h, int64_t g, int64_t D,
+                             const uint16_t *qv, int64_t q_sh, float *score)
+{
+    const int64_t C = D / 32;  /* zmm words of one row */
+    __m512i qpair[MAX_G][MAX_D / 16];  /* per query row, 16 (qn_d, qp_d) pairs a word */
+    const __m512i sign = _mm512_set1_epi16((short)0x8000), zero = _mm512_setzero_si512();
+    for (int64_t j = 0; j < g; j++) {
+        for (int64_t c = 0; c < C; c++) {
+            __m512i x = _mm512_loadu_si512(qv + j * q_sh + 32 * c);
+            __mmask32 neg = _mm512_test_epi16_mask(x, sign);
+            __m512i qn = _mm512_mask_mov_epi16(zero, neg, x), qp = _mm512_mask_mov_epi16(x, neg, zero);
+            qpair[j][2 * c] = _mm512_unpacklo_epi16(qn, qp);
+            qpair[j][2 * c + 1] = _mm512_unpackhi_epi16(qn, qp);
+        }
+    }
+    vlanes part[MAX_G][16];
+    for (int64_t base = p0; base < p1; base += 16) {
+        int64_t m = p1 - base < 16 ? p1 - base : 16;
+        for (int64_t i = 0; i < m; i++) {
+            const uint16_t *lo = summ + (int64_t)row[base + i] * s_block + h * s_head, *hi = lo + D;
+            __m512i pairs[MAX_D / 16];
+            for (int64_t c = 0; c < C; c++) {
+                __m512i l = _mm512_loadu_si512(lo + 32 * c), u = _mm512_loadu_si512(hi + 32 * c);
+                pairs[2 * c] = _mm512_unpacklo_epi16(l, u);
+                pairs[2 * c + 1] = _mm512_unpackhi_epi16(l, u);
+            }
+            for (int64_t j = 0; j < g; j++) {
+                __m512 acc = _mm512_setzero_ps();
+                for (int64_t c = 0; c < 2 * C; c++)
+                    acc = _mm512_dpbf16_ps(acc, (__m512bh)pairs[c], (__m512bh)qpair[j][c]);
+                part[j][i] = (vlanes)acc;
+            }
+        }
+        for (int64_t j = 0; j < g; j++)
+            for (int64_t i = m; i < 16; i++) part[j][i] = (vlanes){0};
+        __m512 best = sum16(part[0]);
+        for (int64_t j = 1; j < g; j++) best = _mm512_max_ps(best, sum16(part[j]));
+        _mm512_mask_storeu_ps(score + (base - p0), (__mmask16)((1u << m) - 1), best);
+    }
+}
+#endif
+#else
 /* Sum of the LANES lanes: halves added pairwise, one fixed order
  * for a build (element reads, not memcpy: the accumulator stays in registers) */
 static inline float hsum(vlanes v)
@@ -53,22 +186,48 @@ static inline float hsum(vlanes v)
     return (s4[0] + s4[2]) + (s4[1] + s4[3]);
 }
 
-typedef struct { float v; int32_t p; } Entry;
-
-/* a ranks below b: smaller bound, or equal bound and a later page */
-static inline int below(Entry a, Entry b) { return a.v < b.v || (a.v == b.v && a.p > b.p); }
-
-/* Min-heap of the best k entries seen (the root is the worst kept). */
-static void sift_down(Entry *h, int64_t n, int64_t i)
+static void page_bounds(const void *summ, int64_t s_block, int64_t s_head, int s_bf16, const int32_t *row,
+                        int64_t p0, int64_t p1, int64_t h, int64_t g, int64_t D,
+                        const void *q, int64_t q_off, int64_t q_sh, int q_bf16, float *score)
 {
-    for (;;) {
-        int64_t l = 2 * i + 1, r = l + 1, m = i;
-        if (l < n && below(h[l], h[m])) m = l;
-        if (r < n && below(h[r], h[m])) m = r;
-        if (m == i) return;
-        Entry t = h[i]; h[i] = h[m]; h[m] = t;
-        i = m;
+    float qp[MAX_G][MAX_D], qn[MAX_G][MAX_D];
+    split_q(q, q_off, q_sh, q_bf16, g, D, qp, qn);
+    Row lohi;
+    vlanes part[MAX_G];
+    for (int64_t p = p0; p < p1; p++) {
+        load_row(summ, (int64_t)row[p] * s_block + h * s_head, s_bf16, &lohi, 2 * D);
+        page_partials(&lohi, qp, qn, g, D, part);
+        float best = hsum(part[0]);
+        for (int64_t j = 1; j < g; j++) {
+            float sum = hsum(part[j]);
+            best = sum > best ? sum : best;
+        }
+        score[p - p0] = best;
     }
+}
+#endif
+
+/* The k-th largest of a[0..n) (1 <= k <= n), a reordered: quickselect, pivot the median
+ * of three, so the time is linear in n whatever order the bounds come in (a heap of the
+ * best k paid log k for nearly every page: bounds tend to rise toward recent pages) */
+static float kth_largest(float *a, int64_t n, int64_t k)
+{
+    int64_t lo = 0, hi = n - 1, want = k - 1;  /* want: its index in descending order */
+    while (lo < hi) {
+        int64_t mid = lo + (hi - lo) / 2;
+        float x = a[lo], y = a[mid], z = a[hi];
+        float pivot = x > y ? (y > z ? y : (x > z ? z : x)) : (x > z ? x : (y > z ? z : y));
+        int64_t i = lo, j = hi;
+        while (i <= j) {  /* [lo, i) >= pivot, (j, hi] <= pivot */
+            while (a[i] > pivot) i++;
+            while (a[j] < pivot) j--;
+            if (i <= j) { float t = a[i]; a[i] = a[j]; a[j] = t; i++; j--; }
+        }
+        if (want <= j) hi = j;
+        else if (want >= i) lo = i;
+        else return a[want];  /* between the two parts: equal to the pivot */
+    }
+    return a[want];
 }
 
 int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /* [B, n * g, D] */
@@ -96,58 +255,33 @@ int select_pages(const void *q, int64_t q_sb, int64_t q_sh, int q_bf16,        /
             if (P <= Kb) {
                 for (int64_t p = 0; p < P; p++) dst[c++] = row[p];
             } else {
-                float qp[MAX_G][MAX_D], qn[MAX_G][MAX_D];  /* q's positive and negative parts */
-                for (int64_t j = 0; j < g; j++) {
-                    Row x;
-                    load_row(q, b * q_sb + (h * g + j) * q_sh, q_bf16, &x, D);
-                    for (int64_t d = 0; d < D; d++) {
-                        qp[j][d] = x.f[d] > 0 ? x.f[d] : 0;
-                        qn[j][d] = x.f[d] < 0 ? x.f[d] : 0;
-                    }
+                /* P > Kb >= forced: the pages chosen by bound lie between the two forced
+                 * ranges, candidates [sink_end, win_start), and there are more than k */
+                int64_t k = Kb - forced, C = win_start - sink_end;
+                for (int64_t p = 0; p < sink_end; p++) dst[c++] = row[p];
+                if (k > 0) {
+                    float *score = malloc(2 * C * sizeof(float)), *scratch = score + C;
+                    if (!score) { out_lens[h * B + b] = -1; continue; }
+                    const int64_t q_off = b * q_sb + h * g * q_sh;  /* the head's first query row */
+#ifdef HAS_BF16_BOUNDS
+                    if (q_bf16 && s_bf16 && D % 32 == 0)
+                        page_bounds_bf16((const uint16_t *)summ, s_block, s_head, row, sink_end, win_start, h, g,
+                                         D, (const uint16_t *)q + q_off, q_sh, score);
+                    else
+#endif
+                    page_bounds(summ, s_block, s_head, s_bf16, row, sink_end, win_start, h, g, D, q, q_off, q_sh,
+                                q_bf16, score);
+                    for (int64_t i = 0; i < C; i++)  /* a NaN bound ranks below every other */
+                        if (score[i] != score[i]) score[i] = -__builtin_inff();
+                    memcpy(scratch, score, C * sizeof(float));
+                    float t = kth_largest(scratch, C, k);
+                    int64_t ties = k;  /* pages at the threshold taken: the lower first */
+                    for (int64_t i = 0; i < C; i++) ties -= score[i] > t;
+                    for (int64_t i = 0; i < C; i++)
+                        if (score[i] > t || (score[i] == t && ties-- > 0)) dst[c++] = row[sink_end + i];
+                    free(score);
                 }
-                int64_t k = Kb - forced;  /* pages chosen by bound */
-                Entry *heap = k > 0 ? malloc(k * sizeof(Entry)) : NULL;
-                char *take = calloc(P, 1);
-                if ((k > 0 && !heap) || !take) { free(heap); free(take); out_lens[h * B + b] = -1; continue; }
-                int64_t used = 0;
-                Row lohi;  /* the page's key minimum, then maximum: [2, D] */
-                const float *lo = lohi.f, *hi = lohi.f + D;
-                for (int64_t p = 0; p < P; p++) {
-                    if (p < sink_end || p >= win_start) { take[p] = 1; continue; }
-                    if (k <= 0) continue;
-                    load_row(summ, (int64_t)row[p] * s_block + h * s_head, s_bf16, &lohi, 2 * D);
-                    float best = -__builtin_inff();
-                    for (int64_t j = 0; j < g; j++) {
-                        /* LANES partial sums in one vector, halved pairwise at the end: the
-                         * sum is vectorised without reassociating it per build, and its last
-                         * adds form a tree of depth log2(LANES) in registers */
-                        vlanes acc = {0};
-                        for (int64_t d0 = 0; d0 < D; d0 += LANES) {
-                            vlanes a, b, c, e;
-                            memcpy(&a, &qp[j][d0], sizeof a);
-                            memcpy(&b, &hi[d0], sizeof b);
-                            memcpy(&c, &qn[j][d0], sizeof c);
-                            memcpy(&e, &lo[d0], sizeof e);
-                            acc += a * b + c * e;
-                        }
-                        float sum = hsum(acc);
-                        best = sum > best ? sum : best;
-                    }
-                    Entry e = {best, (int32_t)p};
-                    if (used < k) {  /* fill, then keep the heap property */
-                        heap[used++] = e;
-                        if (used == k)
-                            for (int64_t i = k / 2 - 1; i >= 0; i--) sift_down(heap, k, i);
-                    } else if (below(heap[0], e)) {
-                        heap[0] = e;
-                        sift_down(heap, k, 0);
-                    }
-                }
-                for (int64_t i = 0; i < used; i++) take[heap[i].p] = 1;
-                for (int64_t p = 0; p < P; p++)
-                    if (take[p]) dst[c++] = row[p];
-                free(heap);
-                free(take);
+                for (int64_t p = win_start; p < P; p++) dst[c++] = row[p];
             }
             for (int64_t i = c; i < K; i++) dst[i] = row[0];  /* unused: any valid block */
             out_lens[h * B + b] = (int32_t)((c - 1) * block + (len - (P - 1) * block));
