@@ -38,6 +38,7 @@ class HeadClass:
     # Whether a decode-only step may attend this class through the backend's one-call
     # decode (the CPU's C kernel), which writes the new token where ring_index (paged:
     # its slot) says and attends every valid entry of the ring (paged: every token).
+    # A group of a class that does not is attended by its own `attend` in that step.
     fused_decode: ClassVar[bool] = False
     # PAGED classes: whether each block keeps a key summary of the class's heads (per
     # channel min and max, [2, D] per head), counted in the block's bytes, recomputed from

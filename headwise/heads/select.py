@@ -32,7 +32,7 @@ from headwise.layers.torch_attention import pool_call
 class SelectHeads(FullHeads):
     name = "select"
     params = ("sink", "window", "budget")
-    fused_decode = False  # per-head page tables: the layer's one-call decode does not apply
+    fused_decode = False  # per-head page tables: attended by `attend` within the layer's fused step
     page_summary = True
 
     def __init__(self) -> None:

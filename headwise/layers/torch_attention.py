@@ -102,21 +102,26 @@ def ring_call(wg: HeadGroup, g: int, head: int) -> cpu_kernels.DecodeCall:
 
 
 class KernelCalls:
-    """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head group: a paged
-    group's reads the block pool through block tables, a ring group's its rings (with its
-    (sink, window), whose ring entry the new token takes). Built on the layer's first
-    decode step; a layer whose caches the kernel does not take (fp8, another dtype), or
-    with a class that does not allow it (HeadClass.fused_decode), gets none and keeps the
-    code below."""
+    """A layer's C-kernel calls (cpu_kernels.DecodeCall), one per head group of a class
+    that allows it (HeadClass.fused_decode): a paged group's reads the block pool through
+    block tables, a ring group's its rings (with its (sink, window), whose ring entry the
+    new token takes). Groups of other classes (`own`) are attended by their class in the
+    same step. Built on the layer's first decode step; a layer whose caches the kernel
+    does not take (fp8, another dtype), or with no group it takes, gets none and keeps
+    the code below."""
 
     def __init__(self, layer: HeadSplitAttention, q: torch.Tensor, block_size: int) -> None:
-        self.ok = all(grp.head_class.fused_decode and cpu_kernels.usable(q, grp.k) for grp in layer.groups)
+        fused = [grp for grp in layer.groups if grp.head_class.fused_decode]
+        self.ok = bool(fused) and all(cpu_kernels.usable(q, grp.k) for grp in layer.groups)
         if not self.ok:
             return
         g = layer.group
         # Ring groups with their kind (whose ring entry the new token takes).
-        self.paged = [pool_call(grp.k, grp.v, block_size, g, grp.kv_start) for grp in layer.groups if grp.paged]
-        self.rings = [(ring_call(grp, g, grp.kv_start), grp.ring_kind) for grp in layer.groups if not grp.paged]
+        self.paged = [pool_call(grp.k, grp.v, block_size, g, grp.kv_start) for grp in fused if grp.paged]
+        self.rings = [(ring_call(grp, g, grp.kv_start), grp.ring_kind) for grp in fused if not grp.paged]
+        # (group, its query heads, its KV heads)
+        self.own = [(grp, slice(grp.kv_start * g, grp.kv_end * g), slice(grp.kv_start, grp.kv_end))
+                    for grp in layer.groups if not grp.head_class.fused_decode]
 
 
 def kernel_takes(q: torch.Tensor, cache: KVTensor, ctx: StepContext) -> bool:
@@ -146,6 +151,8 @@ def fused_decode(layer: HeadSplitAttention, ctx: StepContext, q: torch.Tensor, k
         call(q, out, meta.block_tables, lens, layer.scale, (k, v, ctx.positions))
     for call, kind in calls.rings:
         call(q, out, meta.ring_table, lens, layer.scale, (k, v, ctx.decode_ring_index[kind]))
+    for grp, qs, ks in calls.own:
+        grp.head_class.attend(layer, grp, ctx, q[:, qs], *grp.k.encode_kv(k[:, ks], v[:, ks]), out[:, qs])
     return out
 
 
