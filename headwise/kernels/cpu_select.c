@@ -14,6 +14,11 @@
  * at out_lens[h * B + b] (every page full but the sequence's last, which is always
  * chosen). A sequence of at most K_b pages gets all of them.
  *
+ * Bounds are scored sixteen pages at a time (their lane sums folded into one vector);
+ * in bfloat16 with AVX512-BF16, min and max rows are interleaved into pairs met by
+ * (q's negative part, q's positive part) pairs in one dot-product instruction. The
+ * budget's pages are then found by quickselect: linear in the pages whatever the bounds.
+ *
  * Built and loaded by headwise/kernels/cpu_kernels.py like cpu_decode.c.
  */
 #include <stdint.h>
@@ -100,6 +105,17 @@ static inline __m512 sum16(const vlanes *v)
     return _mm512_permutexvar_ps(order, s);
 }
 
+/* The bounds of m <= 16 pages from their partial sums part[j][i] (query row j, page i):
+ * per page the largest over the g rows of its summed lanes, into out[0..m) */
+static inline void store_bounds(vlanes part[][16], int64_t g, int64_t m, float *out)
+{
+    for (int64_t j = 0; j < g; j++)
+        for (int64_t i = m; i < 16; i++) part[j][i] = (vlanes){0};
+    __m512 best = sum16(part[0]);
+    for (int64_t j = 1; j < g; j++) best = _mm512_max_ps(best, sum16(part[j]));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << m) - 1), best);
+}
+
 /* Bounds of pages [p0, p1) (sixteen at a time) into score[0 .. p1 - p0) */
 static void page_bounds(const void *summ, int64_t s_block, int64_t s_head, int s_bf16, const int32_t *row,
                         int64_t p0, int64_t p1, int64_t h, int64_t g, int64_t D,
@@ -117,11 +133,7 @@ static void page_bounds(const void *summ, int64_t s_block, int64_t s_head, int s
             page_partials(&lohi, qp, qn, g, D, acc);
             for (int64_t j = 0; j < g; j++) part[j][i] = acc[j];
         }
-        for (int64_t j = 0; j < g; j++)
-            for (int64_t i = m; i < 16; i++) part[j][i] = (vlanes){0};
-        __m512 best = sum16(part[0]);
-        for (int64_t j = 1; j < g; j++) best = _mm512_max_ps(best, sum16(part[j]));
-        _mm512_mask_storeu_ps(score + (base - p0), (__mmask16)((1u << m) - 1), best);
+        store_bounds(part, g, m, score + (base - p0));
     }
 }
 
@@ -166,11 +178,7 @@ static void page_bounds_bf16(const uint16_t *summ, int64_t s_block, int64_t s_he
                 part[j][i] = (vlanes)acc;
             }
         }
-        for (int64_t j = 0; j < g; j++)
-            for (int64_t i = m; i < 16; i++) part[j][i] = (vlanes){0};
-        __m512 best = sum16(part[0]);
-        for (int64_t j = 1; j < g; j++) best = _mm512_max_ps(best, sum16(part[j]));
-        _mm512_mask_storeu_ps(score + (base - p0), (__mmask16)((1u << m) - 1), best);
+        store_bounds(part, g, m, score + (base - p0));
     }
 }
 #endif
