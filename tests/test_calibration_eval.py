@@ -159,6 +159,15 @@ def test_calibrate_cli_rejects_bad_lengths(tmp_path, capsys):
     assert not (tmp_path / "l.json").exists()
 
 
+def test_calibrate_cli_rejects_bad_kinds(tmp_path, capsys):
+    from headwise.cli import main
+
+    rc = main(["calibrate", "--out", str(tmp_path / "l.json"), "--kinds", "number,essay"])
+    assert rc == 2
+    assert "calibration kinds must be some of number, phrase, distractors, tally" in capsys.readouterr().err
+    assert not (tmp_path / "l.json").exists()
+
+
 def test_select_from_stored_scores(tmp_path, capsys):
     """`calibrate --from-scores` re-picks the top heads of a calibrated layout's stored
     scores with another fraction and window, without running a model."""

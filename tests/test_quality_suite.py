@@ -49,11 +49,35 @@ def test_calibration_and_evaluation_are_disjoint(tok):
         return {t.split("{")[0].strip().lower() for t in templates if t.split("{")[0].strip()}
     assert not set(calib.CALIB_TEMPLATES) & set(families.EVAL_TEMPLATES)
     assert not stems(calib.CALIB_TEMPLATES) & stems(families.EVAL_TEMPLATES)
-    # built prompts: calibration haystacks contain no eval sentence
-    for s in calib.make_samples(tok, 3, (512,), seed=0):
+    # built prompts, every kind: calibration haystacks contain no eval sentence
+    for s in calib.make_samples(tok, len(calib.ALL_KINDS), (512,), seed=0, kinds=calib.ALL_KINDS):
         body = s.sample.text
         assert not any(x.strip() in body for x in list(held_out)[:3000] if len(x) > 60)
         assert s.sample.needles and all(n in body for n in s.sample.needles)
+
+
+def test_tally_calibration_prompt_asks_for_the_city_named_most(tok):
+    import re
+
+    for seed in (1, 2, 3):
+        s = calib.calib_prompt(tok, "tally", 1024, 0.5, seed)
+        assert abs(len(tok.encode(s.text)) - 1024) <= 0.02 * 1024
+        body, question = s.text.rsplit("\n\n", 1)
+        person = re.match(r"Which city did (\w+) take", question).group(1)
+        trips = re.findall(rf"{person} took the night train to (\w+)\.", body)
+        counts = sorted(((trips.count(c), c) for c in set(trips)), reverse=True)
+        assert [n for n, _ in counts] == list(calib.TALLY_COUNTS)
+        assert s.answers == [counts[0][1]]
+        assert all(n in body for n in s.needles) and len(s.needles) == sum(calib.TALLY_COUNTS)
+    # the default mix is unchanged (shipped layouts were calibrated with it) and seeded
+    one = calib.make_samples(tok, 6, (512,), seed=0)
+    assert [x.sample.task for x in one] == list(calib.KINDS) * 2
+    assert [x.ids for x in one] == [x.ids for x in calib.make_samples(tok, 6, (512,), seed=0)]
+    mixed = calib.make_samples(tok, 4, (512,), seed=0, kinds=("number", "tally"))
+    assert [x.sample.task for x in mixed] == ["number", "tally"] * 2
+    for bad in ((), ("tally", "poem")):
+        with pytest.raises(ValueError, match="calibration kinds must be some of"):
+            calib.make_samples(tok, 2, (512,), seed=0, kinds=bad)
 
 
 @pytest.mark.parametrize("name", list(families.FAMILIES))

@@ -36,7 +36,7 @@ from tqdm import tqdm
 
 from headwise.heads.layout import DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout, HeadSpec
 from headwise.calibration.gates import GateSample, train_gates
-from headwise.calibration.samples import CalibSample, make_samples
+from headwise.calibration.samples import KINDS, CalibSample, make_samples
 from headwise.layouts import native_layout
 from headwise.llm import LLM
 from headwise.weights.loader import load_model, read_model_config
@@ -171,12 +171,13 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
               lengths: tuple[int, ...] | None = None, rounds: int = 2,
               progress: bool = True, engine_options: dict | None = None, method: str = "gates",
-              steps: int = 64, lr: float = 0.05, l1: float = 0.05) -> HeadLayout:
+              steps: int = 64, lr: float = 0.05, l1: float = 0.05,
+              kinds: tuple[str, ...] = KINDS) -> HeadLayout:
     """Find a layout keeping `full_fraction` of the candidate KV heads full (every head,
     or those of the full-attention layers of a model with sliding-window layers), ranked by
-    `method` (METHODS), on prompts of `lengths` (default DEFAULT_LENGTHS). rounds:
-    re-scoring rounds of "ablation"; steps, lr, l1: the gate training of "gates"
-    (calibration.gates). Deterministic for a seed."""
+    `method` (METHODS), on prompts of `lengths` (default DEFAULT_LENGTHS) and of `kinds`
+    (calibration.samples). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
+    training of "gates" (calibration.gates). Deterministic for a seed."""
     _check(full_fraction, sink, window, method)
     lengths = tuple(lengths or DEFAULT_LENGTHS[method])
     torch.manual_seed(seed)
@@ -190,7 +191,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         if (engine_options or {}).get("num_threads"):
             torch.set_num_threads(engine_options["num_threads"])
         net, tokenizer = load_model(model, torch.float32)
-        samples = make_samples(tokenizer, num_samples, lengths, seed)
+        samples = make_samples(tokenizer, num_samples, lengths, seed, kinds)
         bar = tqdm(total=steps, desc="training gates", unit="step", disable=not progress)
         fixed = {l: (0, mcfg.sliding_window) for l in mcfg.sliding_layers}
         result = train_gates(net, [GateSample(s.ids, s.query_rows) for s in samples], candidate, fixed,
@@ -200,7 +201,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
         opts = dict(engine_options or {})
         opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
         llm = LLM(model, head_layout=base, **opts)
-        samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
+        samples = make_samples(llm.tokenizer, num_samples, lengths, seed, kinds)
         rounds = rounds if method == "ablation" else 0
         bar = tqdm(total=num_samples * (1 + rounds), desc="calibrating", unit="prompt", disable=not progress)
         first = score_heads(llm, samples, sink, window, bar)

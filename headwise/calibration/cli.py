@@ -7,6 +7,7 @@ from pathlib import Path
 
 from headwise.heads.layout import DEFAULT_BUDGET, DEFAULT_SINK, DEFAULT_WINDOW, HeadLayout
 from headwise.calibration.calibrate import METHODS, calibrate, select_from_scores
+from headwise.calibration.samples import ALL_KINDS, KINDS, check_kinds
 from headwise.calibration.select_profile import DEFAULT_LENGTHS, DEFAULT_RECALL, check_select, select_layout
 from headwise.config import add_engine_args, engine_options
 from headwise.layouts import native_layout
@@ -26,6 +27,9 @@ def add_calibrate(sub) -> None:
     p.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--samples", type=int, default=24, help="calibration prompts")
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help=f"calibration prompt kinds, comma-separated, taken in turn (of {','.join(ALL_KINDS)}; "
+                        "tally: a count over the whole prompt)")
     p.add_argument("--lengths", default=None,
                    help="prompt lengths in tokens, comma-separated (default 1024,1536 for gates, else 1024,2048,3072)")
     p.add_argument("--method", choices=METHODS, default="gates",
@@ -65,6 +69,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise ValueError(f"output directory {str(out.parent)!r} does not exist")
     three = "select" in args.classes
+    kinds = check_kinds(tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
     if three and (args.from_scores or args.select_from):
         raise ValueError("--classes full,select,window applies to a calibration run; with --from-scores "
                          "or --select-from leave it out (--select-from makes select heads itself)")
@@ -82,17 +87,17 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
         if source is None:
             raise ValueError("--select-from native: this model has no native layout (no sliding-window "
                              "layers); give a layout file")
-        layout, how = _select(args, source, args.window, lengths)
+        layout, how = _select(args, source, args.window, lengths, kinds)
     else:
         t0 = time.perf_counter()
         layout = calibrate(args.model, args.full_fraction, args.sink, args.window, args.seed,
                            num_samples=args.samples, lengths=int_list(args.lengths, "--lengths") if args.lengths else None,
                            rounds=args.rounds,
                            engine_options=engine_options(args, exclude=("model", "head_layout")),
-                           method=args.method, steps=args.steps, lr=args.lr, l1=args.l1)
+                           method=args.method, steps=args.steps, lr=args.lr, l1=args.l1, kinds=kinds)
         how = f"calibrated in {time.perf_counter() - t0:.0f}s"
         if three:
-            layout, profiled = _select(args, layout, args.select_window, select_lengths)
+            layout, profiled = _select(args, layout, args.select_window, select_lengths, kinds)
             how += f"; {profiled}"
     if args.name:
         layout.name = args.name
@@ -105,13 +110,14 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 
 def _select(args: argparse.Namespace, source: HeadLayout, window: int,
-            lengths: tuple[int, ...]) -> tuple[HeadLayout, str]:
+            lengths: tuple[int, ...], kinds: tuple[str, ...]) -> tuple[HeadLayout, str]:
     """`source` with the full heads whose chosen pages hold --recall of their attention
     mass made select heads -> (layout, what was done, with each head's recall)."""
     t0 = time.perf_counter()
     layout, recall = select_layout(args.model, source, args.budget, args.sink, window, args.recall,
                                    args.samples, lengths, args.seed,
-                                   engine_options=engine_options(args, exclude=("model", "head_layout")))
+                                   engine_options=engine_options(args, exclude=("model", "head_layout")),
+                                   kinds=kinds)
     kinds = [s.kind for row in layout.heads for s in row]
     return layout, (f"{kinds.count('select')} select heads (recall >= {args.recall}), {kinds.count('full')} full, "
                     f"profiled in {time.perf_counter() - t0:.0f}s; recall per head (layers x heads):\n"

@@ -4,8 +4,10 @@ one forward pass shows every head at the positions that produce the answer.
 Held out from the quality suite (evaluation.families): the haystacks come from the
 "calib" sources of evaluation.sources (GNU Info manuals, Debian package READMEs), never
 the suite's, and the needles from CALIB_TEMPLATES, none of which the suite uses. Kinds:
-number needles, phrase needles (the answer is copied words) and several needles with
-one asked for, over lengths and depths.
+number needles, phrase needles (the answer is copied words), several needles with one
+asked for, and (opt-in, `tally`) a count over the whole prompt: one traveller's trips
+scattered through the text, the city named most often asked for, so a head that must
+see every mention to answer shows it.
 """
 from __future__ import annotations
 
@@ -38,9 +40,16 @@ PHRASE_TEMPLATES = [
     ("When it rains in {k}, people like to {v}.", "What do people in {k} like to do when it rains? "
                                                   "When it rains in {k}, people like to"),
 ]
-CALIB_TEMPLATES = [t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES for t in pair]
+TALLY_TEMPLATES = [
+    ("{k} took the night train to {v}.", "Which city did {k} take the night train to most often? "
+                                         "The city {k} took the night train to most often is"),
+]
+CALIB_TEMPLATES = [t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES + TALLY_TEMPLATES for t in pair]
 HEAD = "Below is some documentation. A few facts are hidden in it; remember them.\n\n"
-KINDS = ("number", "phrase", "distractors")
+KINDS = ("number", "phrase", "distractors")  # the default mix (every shipped layout's)
+ALL_KINDS = KINDS + ("tally",)
+# tally: trips to each of five cities; the first is the answer, named more often than any other
+TALLY_COUNTS = (5, 3, 2, 2, 1)
 
 
 @dataclass
@@ -59,10 +68,19 @@ def _span_tokens(tokenizer, text: str, needle: str) -> list[int]:
 
 
 def calib_prompt(tokenizer, kind: str, length: int, depth: float, seed: int) -> tasks.Sample:
-    """One calibration prompt of `kind` (KINDS) at `depth`, in a calibration source."""
+    """One calibration prompt of `kind` (ALL_KINDS) at `depth`, in a calibration source."""
     rng = random.Random(seed)
     source = CALIB_SOURCES[seed % len(CALIB_SOURCES)]
-    if kind == "phrase":
+    check_kinds((kind,))
+    if kind == "tally":
+        needle, q = TALLY_TEMPLATES[0]
+        k = rng.choice(PEOPLE)
+        cities = rng.sample(PLACES, len(TALLY_COUNTS))
+        trips = [c for c, m in zip(cities, TALLY_COUNTS) for _ in range(m)]
+        # `depth` places the answer's first mention; every other trip lands anywhere
+        depths = [depth] + [rng.random() for _ in trips[1:]]
+        needles, answer = [(d, needle.format(k=k, v=c)) for d, c in zip(depths, trips)], cities[0]
+    elif kind == "phrase":
         t = rng.randrange(len(PHRASE_TEMPLATES))
         needle, q = PHRASE_TEMPLATES[t]
         k = rng.choice(PEOPLE if t == 0 else PLACES)
@@ -81,13 +99,23 @@ def calib_prompt(tokenizer, kind: str, length: int, depth: float, seed: int) -> 
     return tasks.Sample(kind, text, [answer], depth, length, [n for _, n in needles])
 
 
-def make_samples(tokenizer, num: int, lengths: tuple[int, ...], seed: int) -> list[CalibSample]:
+def check_kinds(kinds: tuple[str, ...]) -> tuple[str, ...]:
+    """`kinds` if it names one or more of ALL_KINDS and nothing else; else ValueError."""
+    bad = [k for k in kinds if k not in ALL_KINDS]
+    if not kinds or bad:
+        raise ValueError(f"calibration kinds must be some of {', '.join(ALL_KINDS)}, got {', '.join(kinds) or 'none'}")
+    return kinds
+
+
+def make_samples(tokenizer, num: int, lengths: tuple[int, ...], seed: int,
+                 kinds: tuple[str, ...] = KINDS) -> list[CalibSample]:
     """`num` samples over the kinds, lengths and depths (deterministic for a seed)."""
+    check_kinds(kinds)
     rng = random.Random(seed)
     out = []
     for i in range(num):
-        kind = KINDS[i % len(KINDS)]
-        length = lengths[(i // len(KINDS)) % len(lengths)]
+        kind = kinds[i % len(kinds)]
+        length = lengths[(i // len(kinds)) % len(lengths)]
         depth = (i * 0.37 + rng.random() * 0.2) % 1.0
         s = calib_prompt(tokenizer, kind, length, depth, seed=rng.randrange(1 << 30))
         prompt = tokenizer.encode(s.text)

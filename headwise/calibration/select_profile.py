@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from headwise.calibration.samples import make_samples
+from headwise.calibration.samples import KINDS, make_samples
 from headwise.heads.layout import HeadLayout, HeadSpec
 from headwise.heads.select import page_count, select_pages
 from headwise.llm import LLM
@@ -106,14 +106,16 @@ def check_select(budget: int, sink: int, window: int, recall: float, lengths: tu
 def select_layout(model: str | None, source: HeadLayout, budget: int, sink: int, window: int,
                   recall: float = DEFAULT_RECALL, num_samples: int = 12,
                   lengths: tuple[int, ...] = DEFAULT_LENGTHS, seed: int = 0, progress: bool = True,
-                  engine_options: dict | None = None) -> tuple[HeadLayout, torch.Tensor]:
+                  engine_options: dict | None = None,
+                  kinds: tuple[str, ...] = KINDS) -> tuple[HeadLayout, torch.Tensor]:
     """`source` with each full head whose recall reaches `recall` made a select head
-    (sink, window, budget); returns the layout and the [L, H] recall of every head."""
+    (sink, window, budget), profiled on prompts of `kinds` (calibration.samples);
+    returns the layout and the [L, H] recall of every head."""
     spec = check_select(budget, sink, window, recall, lengths)
     opts = dict(engine_options or {})
     opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
     llm = LLM(model, head_layout=source, **opts)
-    samples = make_samples(llm.tokenizer, num_samples, lengths, seed)
+    samples = make_samples(llm.tokenizer, num_samples, lengths, seed, kinds)
     scores = recall_profile(llm, samples, sink, window, budget, progress)
     heads = [[spec if s.kind == "full" and scores[l, h] >= recall else s for h, s in enumerate(row)]
              for l, row in enumerate(source.heads)]
