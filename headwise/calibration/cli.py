@@ -12,7 +12,7 @@ from headwise.calibration.select_profile import DEFAULT_LENGTHS, DEFAULT_RECALL,
 from headwise.config import add_engine_args, engine_options
 from headwise.layouts import native_layout
 from headwise.weights.loader import read_model_config
-from headwise.evaluation.cli import int_list
+from headwise.evaluation.cli import int_list, name_list
 
 CLASS_SETS = ("full,window", "full,select,window")
 
@@ -69,7 +69,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     if not out.parent.is_dir():
         raise ValueError(f"output directory {str(out.parent)!r} does not exist")
     three = "select" in args.classes
-    kinds = check_kinds(tuple(k.strip() for k in args.kinds.split(",") if k.strip()))
+    kinds = check_kinds(tuple(name_list(args.kinds)))
     if three and (args.from_scores or args.select_from):
         raise ValueError("--classes full,select,window applies to a calibration run; with --from-scores "
                          "or --select-from leave it out (--select-from makes select heads itself)")
@@ -118,8 +118,8 @@ def _select(args: argparse.Namespace, source: HeadLayout, window: int,
                                    args.samples, lengths, args.seed,
                                    engine_options=engine_options(args, exclude=("model", "head_layout")),
                                    kinds=kinds)
-    kinds = [s.kind for row in layout.heads for s in row]
-    return layout, (f"{kinds.count('select')} select heads (recall >= {args.recall}), {kinds.count('full')} full, "
+    classes = [s.kind for row in layout.heads for s in row]
+    return layout, (f"{classes.count('select')} select heads (recall >= {args.recall}), {classes.count('full')} full, "
                     f"profiled in {time.perf_counter() - t0:.0f}s; recall per head (layers x heads):\n"
                     + "\n".join(" ".join(f"{x:.2f}" for x in row) for row in recall.tolist()))
 

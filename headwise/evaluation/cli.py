@@ -22,6 +22,11 @@ def int_list(text: str, flag: str) -> list[int]:
     return values
 
 
+def name_list(text: str) -> list[str]:
+    """The non-empty names of a comma-separated list, stripped."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def add_eval(sub) -> None:
     p = sub.add_parser("eval", help="long-context quality of one or more layouts")
     p.add_argument("--head-layout", action="append", default=None,
@@ -63,12 +68,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.suite or args.report:
         return cmd_suite(args)
     args.seeds = args.seeds or 1
-    task_names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+    task_names = name_list(args.tasks)
     bad = [t for t in task_names if t not in ALL_TASKS]
     if bad:
         raise ValueError(f"unknown task {bad[0]!r}; choose from {', '.join(ALL_TASKS)}")
     lengths = int_list(args.lengths, "--lengths")
-    kv_dtypes = tuple(d.strip() for d in args.kv_dtypes.split(",") if d.strip())
+    kv_dtypes = tuple(name_list(args.kv_dtypes))
     bad = [d for d in kv_dtypes if d not in KV_CACHE_DTYPES]
     if bad:
         raise ValueError(f"unknown KV cache dtype {bad[0]!r} in --kv-dtypes; choose from {', '.join(KV_CACHE_DTYPES)}")
@@ -82,7 +87,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_suite(args: argparse.Namespace) -> int:
-    families = [f.strip() for f in args.families.split(",") if f.strip()]
+    families = name_list(args.families)
     bad = [f for f in families if f not in FAMILIES]
     if bad:
         raise ValueError(f"unknown suite family {bad[0]!r}; choose from {', '.join(FAMILIES)}")
