@@ -10,7 +10,7 @@ from headwise.bench_serve import add_bench
 from headwise.heads.layout import LayoutError
 from headwise.calibration.cli import add_calibrate
 from headwise.config import EngineConfig, add_engine_args, engine_options, parse_size
-from headwise.demo import run_demo
+from headwise.demo import NEW_TOKENS, run_demo
 from headwise.engine.llm_engine import LLMEngine
 from headwise.evaluation.cli import add_eval
 from headwise.llm import LLM
@@ -59,7 +59,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    return run_demo(args.model, args.tokens, engine_options(args))
+    # two one-shot generations: a compiled decode step would not pay for its compile
+    return run_demo(args.model, args.tokens, one_shot_options(engine_options(args), NEW_TOKENS))
 
 
 def cmd_serve(args: argparse.Namespace) -> int:

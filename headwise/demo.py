@@ -8,10 +8,13 @@ from headwise.llm import LLM
 from headwise.sampling import SamplingParams
 
 
-def _run(llm, prompt, new_tokens: int = 33) -> dict:
-    # One generation serves both figures: a fixed number of tokens (no early stop) for the
-    # decode speed, and its first line as the answer.
-    out = llm.generate(prompt.text, SamplingParams(max_tokens=new_tokens, ignore_eos=True), use_tqdm=False)[0]
+# Tokens each layout generates: one generation serves both figures, a fixed number of
+# tokens (no early stop) for the decode speed, and its first line as the answer.
+NEW_TOKENS = 33
+
+
+def _run(llm, prompt) -> dict:
+    out = llm.generate(prompt.text, SamplingParams(max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)[0]
     answer = out.text.strip().split("\n")[0]
     return {
         "answer": answer,

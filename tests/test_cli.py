@@ -105,6 +105,19 @@ def test_a_short_one_shot_generate_decodes_eagerly():
         assert one_shot_options(explicit, 64)["enforce_eager"] is want
 
 
+def test_the_demo_decodes_eagerly_unless_told(monkeypatch):
+    # two generations of a few tokens: the demo must not wait for a decode step to compile
+    from headwise import cli
+
+    seen = []
+    monkeypatch.setattr(cli, "run_demo", lambda model, tokens, options: seen.append(options) or 0)
+    parser = cli.build_parser()
+    for argv, want in ((["demo"], True), (["demo", "--no-enforce-eager"], False)):
+        args = parser.parse_args(argv)
+        assert args.func(args) == 0
+        assert seen[-1]["enforce_eager"] is want
+
+
 def test_the_cli_shows_engine_log_lines_once(capsys):
     import logging
 
