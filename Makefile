@@ -87,7 +87,7 @@ QWEN_LAYOUT := headwise/layouts/qwen2.5-coder-0.5b-instruct-gates-50-w1024.json
 bench-qwen: $(STAMP)
 	$(LLAMA_CPP)
 	$(PY) benchmarks/bench_peers.py --model qwen2.5-coder-0.5b --layout $(QWEN_LAYOUT) \
-		--contexts 8192,16384,32768 --runs 1 --out-dir bench/qwen \
+		--contexts 8192,16384,32768 --runs 1 --budget-gib 4 --out-dir bench/qwen \
 		--systems headwise,headwise-int8,headwise-full,llama.cpp-fa,llama.cpp-nofa,transformers
 
 bench-engine: $(STAMP)
