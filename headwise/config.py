@@ -98,6 +98,16 @@ class EngineConfig:
                                "(prefill multiplies with it; about 3x the codes' bytes); "
                                "--no-dense-weights: every matmul of a 4-bit weight reads its codes "
                                "(bfloat16 on the CPU only)", bool)
+    select_host_pages: bool = _opt(False, "select heads' K/V wait in host memory (pinned on CUDA); the "
+                                   "device keeps their key summaries and a hot set of the pages decode "
+                                   "chose, and kv_cache_memory budgets the device (torch attention "
+                                   "backend)", bool)
+    select_hot_pages: int | None = _opt(None, "with select_host_pages: pages per select head in the "
+                                        "device's hot set (default: one decode step of max_num_seqs "
+                                        "sequences)", int)
+    select_host_memory: int = _opt(0, "with select_host_pages: bound on the host memory of select heads' "
+                                   "pages (0: as many blocks as the device budget holds); units allowed",
+                                   parse_size)
     kv_offload_dir: str | None = _opt(None, "directory of a second KV tier: cached prefixes evicted from "
                                       "memory are written there and read back instead of recomputed, "
                                       "also by a later process", str)
@@ -123,6 +133,16 @@ class EngineConfig:
             raise ConfigError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         if not isinstance(self.compile_in_background, bool):
             raise ConfigError(f"compile_in_background must be True or False, got {self.compile_in_background!r}")
+        if not isinstance(self.select_host_pages, bool):
+            raise ConfigError(f"select_host_pages must be True or False, got {self.select_host_pages!r}")
+        if self.select_hot_pages is not None and (not isinstance(self.select_hot_pages, int)
+                                                  or isinstance(self.select_hot_pages, bool)
+                                                  or self.select_hot_pages < 1):
+            raise ConfigError(f"select_hot_pages must be a positive integer or None, got {self.select_hot_pages!r}")
+        if not isinstance(self.select_host_memory, int) or self.select_host_memory < 0:
+            raise ConfigError(f"select_host_memory must be >= 0, got {self.select_host_memory!r}")
+        if (self.select_hot_pages is not None or self.select_host_memory) and not self.select_host_pages:
+            raise ConfigError("select_hot_pages / select_host_memory need select_host_pages=True")
         if not isinstance(self.dense_weights, bool):
             raise ConfigError(f"dense_weights must be True or False, got {self.dense_weights!r}")
         if not isinstance(self.prepared_weights_cache, bool):
@@ -152,6 +172,9 @@ class EngineConfig:
             raise ConfigError(f"attention_backend must be one of {BACKENDS}, got {self.attention_backend!r}")
         if self.window_positions not in WINDOW_POSITIONS:
             raise ConfigError(f"window_positions must be one of {WINDOW_POSITIONS}, got {self.window_positions!r}")
+        if self.select_host_pages and self.attention_backend == "triton":
+            raise ConfigError("select_host_pages is implemented in the torch attention backend only "
+                              "(attention_backend='torch')")
         if self.window_positions == "rebased" and self.attention_backend == "triton":
             raise ConfigError("window_positions='rebased' is implemented in the torch backend only")
         if self.attention_backend == "triton":
@@ -173,7 +196,7 @@ class EngineConfig:
             return self.attention_backend
         from headwise.kernels import triton_installed
 
-        if self.window_positions == "rebased":
+        if self.window_positions == "rebased" or self.select_host_pages:
             return "torch"
         return "triton" if self.torch_device.type == "cuda" and triton_installed() else "torch"
 

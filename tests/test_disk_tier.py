@@ -19,7 +19,7 @@ GREEDY = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=0)
 
 
 def _layout(kind, shape):
-    if kind == "select":  # select heads (budget 6 of the documents' 28 blocks) beside window heads
+    if kind in ("select", "select-host"):  # select heads (budget 6 of the documents' 28 blocks) beside window heads
         L, H, D = shape
         sel, win = HeadSpec("select", 4, 8, 24), HeadSpec("window", 4, 8)
         return HeadLayout("select", L, H, D, [[sel if (l + h) % 2 else win for h in range(H)] for l in range(L)])
@@ -33,8 +33,11 @@ def _opts(path, kind, docs_in_memory=1.5):
     lay = _layout(kind, shape)
     geo = KVCacheManager(lay, 4, 1 << 30, 1, torch.float32).geometry
     per_doc = geo.seq_bytes(130) + 2 * geo.ring_bytes
-    return dict(head_layout=lay, block_size=4, dtype="float32", max_num_seqs=1,
+    opts = dict(head_layout=lay, block_size=4, dtype="float32", max_num_seqs=1,
                 kv_cache_memory=geo.ring_bytes + int(docs_in_memory * per_doc))
+    if kind == "select-host":  # select pages in host memory: bounded there, not on the device
+        opts.update(select_host_pages=True, select_host_memory=int(docs_in_memory * 33 * geo.select_block_bytes))
+    return opts
 
 
 def _docs(tok):
@@ -57,7 +60,7 @@ def _pair_with_a_cached(path, tmp_path, opts):
     return tiered, plain, a, q, tiered.engine.cache.match_prefix(a + q).hashes
 
 
-@pytest.mark.parametrize("kind", ["full", "window", "mixed", "select"])
+@pytest.mark.parametrize("kind", ["full", "window", "mixed", "select", "select-host"])
 def test_prefix_from_disk_equals_recompute(tiny_models, tmp_path, kind):
     path = str(tiny_models["llama"])
     tiered, plain, a, q, keys = _pair_with_a_cached(path, tmp_path, _opts(path, kind))

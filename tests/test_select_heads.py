@@ -218,14 +218,15 @@ def test_a_preempted_sequence_recomputes_what_its_decode_attended(llama, caching
         assert max(abs(a - b) for a, b in zip(g.logprobs, w.logprobs)) < 1e-4
 
 
-@pytest.mark.parametrize("kv", ["auto", "int8"])
-def test_prefix_hits_equal_computing_from_scratch(llama, kv):
+@pytest.mark.parametrize("kv,host", [("auto", False), ("int8", False), ("auto", True), ("int8", True)])
+def test_prefix_hits_equal_computing_from_scratch(llama, kv, host):
     """A prompt whose prefix comes from the prefix cache (blocks and their key summaries)
-    decodes as one computed from scratch, plain and int8."""
+    decodes as one computed from scratch, plain and int8; also with the cached engine's
+    select pages in host memory (select_host_pages), against the in-pool engine."""
     shape = LLM(llama, head_layout="full", kv_cache_memory=1 << 24).layout.shape
     layout = layout_with(shape, HeadSpec("select", 4, 8, 32), HeadSpec("window", 4, 8))
     opts = dict(head_layout=layout, kv_cache_memory=1 << 24, dtype="float32", kv_cache_dtype=kv)
-    cached = LLM(llama, enable_prefix_caching=True, **opts)
+    cached = LLM(llama, enable_prefix_caching=True, select_host_pages=host, **opts)
     plain = LLM(llama, enable_prefix_caching=False, **opts)
     doc = prompt(cached, 140)
     q2 = cached.tokenizer.encode(" Who pays the toll?", add_special_tokens=False)

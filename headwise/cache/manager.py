@@ -38,9 +38,16 @@ class CacheConfigError(ValueError):
 class KVCacheManager:
     def __init__(self, layout: HeadLayout, block_size: int, kv_cache_memory: int,
                  max_num_seqs: int, dtype: torch.dtype, enable_prefix_caching: bool = False,
-                 kv_cache_dtype: str = "auto") -> None:
+                 kv_cache_dtype: str = "auto", select_host_pages: bool = False,
+                 select_hot_pages: int | None = None, select_host_memory: int = 0) -> None:
         """dtype: the model's compute dtype; kv_cache_dtype: how both classes store KV
-        (see KV_CACHE_DTYPES), unless the layout sets a class's own."""
+        (see KV_CACHE_DTYPES), unless the layout sets a class's own.
+
+        select_host_pages: select heads' K/V wait in host memory (engine.hot_pages);
+        kv_cache_memory then budgets the device (the other heads' blocks, the rings, the
+        key summaries and a hot set of select_hot_pages pages per select head, by default
+        one decode step's worth for max_num_seqs sequences), and select_host_memory (0:
+        no bound) the host."""
         self.layout = layout
         self.block_size = block_size
         self.geometry = CacheGeometry.from_layout(layout, block_size, *class_specs(layout, kv_cache_dtype, dtype))
@@ -53,15 +60,27 @@ class KVCacheManager:
                 "raise kv_cache_memory or lower max_num_seqs"
             )
         self.caching = enable_prefix_caching
-        block_bytes = geo.block_bytes
+        self.hot_pages = self._hot_pages(select_host_pages, select_hot_pages, max_num_seqs)
+        # Bytes of a block on the device and in host memory (select_host_pages), and the
+        # device's hot set of select pages (fixed, like the rings).
+        host_block = geo.select_block_bytes if self.hot_pages else 0
+        block_bytes = geo.block_bytes - host_block
+        self.host_block_bytes = host_block
+        fixed = self.ring.total_bytes + self.hot_pages * host_block
         # Pages of the block pool: paged-head blocks, which also hold window snapshots; a
-        # layout without paged heads gets pages of one snapshot each when caching.
-        self.page_bytes = block_bytes or (geo.ring_bytes if self.caching else 0)
-        num_pages = (kv_cache_memory - self.ring.total_bytes) // self.page_bytes if self.page_bytes else 0
+        # layout without paged heads gets pages of one snapshot each when caching. A tier
+        # page carries the whole block, wherever its parts live.
+        self.page_bytes = geo.block_bytes or (geo.ring_bytes if self.caching else 0)
+        num_pages = (kv_cache_memory - fixed) // (block_bytes or self.page_bytes) if self.page_bytes else 0
+        if host_block and select_host_memory:
+            num_pages = min(num_pages, select_host_memory // host_block)
         if block_bytes and num_pages < 1:
             raise CacheConfigError(
                 f"kv_cache_memory={kv_cache_memory} bytes leaves no room for one full-head block "
                 f"({block_bytes} bytes) after the rings ({self.ring.total_bytes} bytes)"
+                + (f" and the select heads' hot set ({self.hot_pages * host_block} bytes)" if host_block else "")
+                + (f", or select_host_memory={select_host_memory} for one block's select pages "
+                   f"({host_block} bytes)" if host_block and select_host_memory else "")
             )
         pool = BlockPool(num_pages)
         self.paged = PagedPool(pool, block_size, block_bytes)
@@ -78,6 +97,24 @@ class KVCacheManager:
                                         self.snapshot_pages, self._root)
         self.tier: DiskTier | None = None
         self._tier_link: TierLink | None = None
+
+    def _hot_pages(self, host: bool, hot_pages: int | None, max_num_seqs: int) -> int:
+        """Pages per select head in the device's hot set (0: select pages stay in the pool)."""
+        if not host:
+            if hot_pages is not None:
+                raise CacheConfigError("select_hot_pages needs select_host_pages=True")
+            return 0
+        geo = self.geometry
+        if not geo.summary_heads:
+            raise CacheConfigError(f"select_host_pages: layout {self.layout.name!r} has no select heads")
+        need = max_num_seqs * geo.select_step_pages
+        if hot_pages is None:
+            return need
+        if hot_pages < need:
+            raise CacheConfigError(
+                f"select_hot_pages={hot_pages} cannot hold one decode step's chosen pages: max_num_seqs="
+                f"{max_num_seqs} sequences x {geo.select_step_pages} pages per select head need {need}")
+        return hot_pages
 
     def attach_tier(self, tier: DiskTier) -> None:
         """Evicted prefixes go to `tier` and hits may come back from it (prefix caching
@@ -308,14 +345,20 @@ class KVCacheManager:
 
     def usage(self) -> dict[str, dict[str, float]]:
         """Per storage kind ("paged": the block pool of full and select heads; "ring": the
-        window heads' rings): bytes held by running sequences, in total, and (prefix
-        caching) held by cached prefixes nobody uses, which count as free (ring snapshots
-        are cached in the block pool's pages)."""
+        window heads' rings; "host": select heads' pages in host memory, when they wait
+        there): bytes held by running sequences, in total, and (prefix caching) held by
+        cached prefixes nobody uses, which count as free (ring snapshots are cached in
+        the block pool's pages)."""
         cached = self.paged.blocks.cached_free
         out = {}
         for name, p, kind in ((PAGED, self.paged, PageKind.BLOCK), (RING, self.ring, PageKind.SNAPSHOT)):
             total = p.total_bytes
             out[name] = {"used_bytes": p.used_bytes, "total_bytes": total,
                          "usage": p.used_bytes / total if total else 0.0,
-                         "cached_bytes": cached[kind] * self.page_bytes}
+                         "cached_bytes": cached[kind] * (p.block_bytes if p is self.paged else self.page_bytes)}
+        if self.host_block_bytes:
+            blocks, per = self.paged.blocks, self.host_block_bytes
+            used, total = (blocks.num_blocks - blocks.num_free) * per, blocks.num_blocks * per
+            out["host"] = {"used_bytes": used, "total_bytes": total, "usage": used / total,
+                           "cached_bytes": cached[PageKind.BLOCK] * self.host_block_bytes}
         return out

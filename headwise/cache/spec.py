@@ -185,6 +185,20 @@ class CacheGeometry:
         return self.total_paged_heads * self.block_size * self.paged.bytes_per_head_token + summaries
 
     @property
+    def select_block_bytes(self) -> int:
+        """K and V of one block of the summarised (select) heads: the part of a block that
+        waits in host memory when select pages do (select_host_pages)."""
+        return self.summary_heads * self.block_size * self.paged.bytes_per_head_token
+
+    @property
+    def select_step_pages(self) -> int:
+        """The most pages one select head attends for one sequence in a decode step: its
+        budget's, or its sink's and window's when more (heads.select.forced_pages)."""
+        bs = self.block_size
+        return max((max(g.budget // bs, -(-g.sink // bs) + -(-g.window // bs) + 1)
+                    for gs in self.groups for g in gs if g.summarised), default=0)
+
+    @property
     def ring_bytes(self) -> int:
         """One ring slot: sink + window tokens of every window head, K and V, scales included."""
         return self.ring_tokens * self.ring.bytes_per_head_token

@@ -1,13 +1,20 @@
 """The KV tensors, allocated by the model runner from the cache manager's geometry and
 bound into the attention layers as per-layer views (the model owns no cache memory).
 A quantized class has a scale tensor beside each value tensor, with the same leading
-shape; byte copies (snapshots, tier pages) carry both."""
+shape; byte copies (snapshots, tier pages) carry both.
+
+With select heads' pages in host memory (hot_pages > 0; engine.hot_pages), the paged
+pool on the device holds the other paged heads only, the select heads' K/V have a `home`
+pool of their own in host memory (pinned on CUDA), and the device keeps their key
+summaries and hot set. A tier page then carries the device heads' bytes, then the home
+heads', then the summaries."""
 from __future__ import annotations
 
 import torch
 
 from headwise.cache.block_pool import id_runs
 from headwise.cache.spec import CacheGeometry, GroupSpec
+from headwise.engine.hot_pages import HotPages
 from headwise.heads.base import head_class
 from headwise.layers.attention import HeadGroup
 from headwise.layers.kv_tensor import KVTensor
@@ -16,21 +23,39 @@ from headwise.layers.kv_tensor import KVTensor
 class KVStorage:
     def __init__(self, geo: CacheGeometry, num_blocks: int, num_ring_slots: int,
                  device: torch.device | str = "cpu", page_bytes: int = 0,
-                 compute_dtype: torch.dtype | None = None) -> None:
+                 compute_dtype: torch.dtype | None = None, hot_pages: int = 0) -> None:
         self.geometry = geo
+        self.device = torch.device(device)
         # What reads return (the model's dtype); a plain class defaults to its own dtype.
         self.compute = {c.name: compute_dtype or c.scale_dtype or c.dtype for c in (geo.paged, geo.ring)}
         self.num_ring_slots = num_ring_slots
         self.num_blocks = num_blocks
         F, D = geo.total_paged_heads, geo.paged.head_dim
         slots = num_blocks * geo.block_size if F else 0
+        S = geo.summary_heads if hot_pages else 0  # heads whose K/V wait in host memory
         # Head-major so that layer l's paged heads are one contiguous slice.
         # K and V side by side, so a step writes both in one op (HeadGroup.kv).
-        self.paged_kv = torch.zeros(2, F, slots, D, dtype=geo.paged.dtype, device=device)  # [K|V, F, slots, D]
+        self.paged_kv = torch.zeros(2, F - S, slots, D, dtype=geo.paged.dtype, device=device)  # [K|V, F, slots, D]
         self.paged_k, self.paged_v = self.paged_kv[0], self.paged_kv[1]
         fs = geo.paged.scale_dtype
-        self.paged_k_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)  # [F, slots]
-        self.paged_v_scale = None if fs is None else torch.zeros(F, slots, dtype=fs, device=device)
+        self.paged_k_scale = None if fs is None else torch.zeros(F - S, slots, dtype=fs, device=device)  # [F, slots]
+        self.paged_v_scale = None if fs is None else torch.zeros(F - S, slots, dtype=fs, device=device)
+        # Host mode: the select heads' [K|V, S, slots, D] (+ scales [S, slots]), pinned on
+        # CUDA for asynchronous copies; a paged group's first head in the device pool
+        # counts the other paged heads before it.
+        pin = self.device.type == "cuda"
+        self.home_kv = _zeros((2, S, slots, D), geo.paged.dtype, pin)
+        self.home_scales = None if fs is None else _zeros((2, S, slots), fs, pin)
+        self._device_offset = {}
+        before = 0
+        for g in (g for gs in geo.groups for g in gs if g.paged):
+            self._device_offset[g] = g.offset - before
+            before += g.num_heads if S and g.summarised else 0
+        self.hot = None
+        if S:
+            self.hot = HotPages(*(KVTensor(self.home_kv[i], None if fs is None else self.home_scales[i],
+                                           compute_dtype or geo.paged.dtype) for i in (0, 1)),
+                                hot_pages, geo.block_size, self.device)
         # Per (layer, window group) a contiguous [2, num_ring_slots, n, sink + window, D]
         # block, so decode runs one batched matmul over all slots of a group; scales
         # likewise [2, num_ring_slots, n, sink + window].
@@ -49,9 +74,16 @@ class KVStorage:
 
     @property
     def nbytes(self) -> int:
+        """Bytes on the device (the hot set included, host memory not)."""
         return sum(t.numel() * t.element_size() for t in (self.paged_kv, self.paged_k_scale,
                                                            self.paged_v_scale, self.rings, self.ring_scales,
-                                                           self.pages, self.summaries) if t is not None)
+                                                           self.pages, self.summaries) if t is not None) + (
+            self.hot.nbytes if self.hot is not None else 0)
+
+    @property
+    def host_nbytes(self) -> int:
+        """Bytes of the select heads' pages in host memory (0 unless they wait there)."""
+        return sum(t.numel() * t.element_size() for t in (self.home_kv, self.home_scales) if t is not None)
 
     # ---- window-state snapshots: a ring slot's bytes <-> pages of the block pool ------
     def _ring_parts(self, slot: int) -> list[torch.Tensor]:
@@ -85,9 +117,11 @@ class KVStorage:
         the plain pages [1, num_pages, bytes]."""
         if self.pages.shape[0]:
             return [self.pages[None]]
-        F = self.paged_k.shape[0]
-        views = [t.view(torch.uint8).view(F, self.num_blocks, -1)
-                 for t in (self.paged_k, self.paged_v, self.paged_k_scale, self.paged_v_scale) if t is not None]
+        parts = (self.paged_k, self.paged_v, self.paged_k_scale, self.paged_v_scale)
+        if self.hot is not None:
+            parts += tuple(self.home_kv) + (() if self.home_scales is None else tuple(self.home_scales))
+        views = [t.view(torch.uint8).view(t.shape[0], self.num_blocks, -1) for t in parts
+                 if t is not None and t.shape[0]]  # (host mode: no device heads where all are select)
         if self.summaries.numel():
             views.append(self.summaries.view(torch.uint8).view(1, self.num_blocks, -1))
         return views
@@ -105,13 +139,15 @@ class KVStorage:
             for first, i, m in id_runs(pages):  # slice copies: ~4x faster than index_copy_ here
                 v[:, first: first + m].copy_(src[:, i: i + m])
             at += n
+        if self.hot is not None:  # the hot copies of these blocks are stale now
+            self.hot.invalidate(0, self.geometry.summary_heads, torch.tensor(pages, dtype=torch.int64))
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         parts = []
         for v in self._page_views():
             runs = [v[:, first: first + m] for first, _, m in id_runs(pages)]
             got = runs[0] if len(runs) == 1 else torch.cat(runs, 1)  # [heads, N, bytes]
-            parts.append(got.transpose(0, 1).reshape(len(pages), -1))
+            parts.append(got.transpose(0, 1).reshape(len(pages), -1).to(self.device))
         return torch.cat(parts, 1).reshape(-1)  # [N, views' bytes] flat
 
     def _ring_view(self, kv: int, g: GroupSpec) -> KVTensor:
@@ -136,11 +172,17 @@ class KVStorage:
 
     def _paged_views(self, g: GroupSpec) -> tuple[KVTensor, KVTensor, torch.Tensor | None]:
         """K and V [n, slots, D] KVTensors of a paged group, and both values together
-        [2, n, slots, D] (None when quantized: scales to write too)."""
-        heads, dt = slice(g.offset, g.offset + g.num_heads), self.compute["paged"]
-        k = KVTensor(self.paged_k[heads], None if self.paged_k_scale is None else self.paged_k_scale[heads], dt)
-        v = KVTensor(self.paged_v[heads], None if self.paged_v_scale is None else self.paged_v_scale[heads], dt)
-        return k, v, None if self.paged_k_scale is not None else self.paged_kv[:, heads]
+        [2, n, slots, D] (None when quantized: scales to write too); a select group's
+        are in its home pool when its pages wait in host memory."""
+        dt = self.compute["paged"]
+        if self.hot is not None and g.summarised:
+            kv, scales, at = self.home_kv, self.home_scales, g.summary_offset
+        else:
+            kv, at = self.paged_kv, self._device_offset[g]
+            scales = None if self.paged_k_scale is None else (self.paged_k_scale, self.paged_v_scale)
+        heads = slice(at, at + g.num_heads)
+        k, v = (KVTensor(kv[i][heads], None if scales is None else scales[i][heads], dt) for i in (0, 1))
+        return k, v, None if scales is not None else kv[:, heads]
 
     def layer_views(self, layer: int) -> list[HeadGroup]:
         """Every head group of a layer with its cache views, in storage order."""
@@ -150,6 +192,13 @@ class KVStorage:
                         (self._ring_view(0, g), self._ring_view(1, g), self._ring_pair(g)))
             summary = (self.summaries[:, g.summary_offset: g.summary_offset + g.num_heads]
                        if g.summarised else None)  # [num_blocks, n, 2, D]
+            hot = self.hot.view(g.summary_offset, g.num_heads) if self.hot is not None and g.summarised else None
             out.append(HeadGroup(head_class(g.kind), g.kv_start, g.kv_end, g.sink, g.window, k, v, kv,
-                                 budget=g.budget, summary=summary))
+                                 budget=g.budget, summary=summary, hot=hot))
         return out
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    """Host memory, pinned when the device is CUDA."""
+    t = torch.zeros(shape, dtype=dtype)
+    return t.pin_memory() if pin else t

@@ -144,7 +144,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or limit, limit)
         self.cache = KVCacheManager(self.layout, config.block_size, config.kv_cache_memory,
                                     config.max_num_seqs, self.dtype, config.enable_prefix_caching,
-                                    config.kv_cache_dtype)
+                                    config.kv_cache_dtype, config.select_host_pages, config.select_hot_pages,
+                                    config.select_host_memory)
         geo = self.cache.geometry
         # How each head class of the layout stores K/V: its storage kind's spec (EngineStats).
         self.kv_formats = {c: geo.paged if head_class(c).storage == PAGED else geo.ring
@@ -154,7 +155,8 @@ class LLMEngine:
                               "device; on the CPU use int8")
         if config.kv_offload_dir or config.kv_offload_host_bytes:
             fp = fingerprint(model_identity(config.model) if not loaded else mcfg.name,
-                             self.cache.root, f"{self.dtype}/{geo.paged.label}/{geo.ring.label}",
+                             self.cache.root, f"{self.dtype}/{geo.paged.label}/{geo.ring.label}"
+                             + ("/select-host" if self.cache.hot_pages else ""),  # a page's byte order
                              config.block_size)
             self.cache.attach_tier(DiskTier(config.kv_offload_dir, config.kv_offload_bytes, fp,
                                             config.kv_offload_host_bytes, pin=config.torch_device.type == "cuda"))

@@ -69,7 +69,7 @@ class ModelRunner:
                     and not cache.geometry.summary_heads else None)
         spare = int(capturer is not None)
         self.kv = KVStorage(cache.geometry, cache.num_blocks + spare, cache.num_ring_slots + spare, self.device,
-                            page_bytes=cache.page_bytes, compute_dtype=dtype)
+                            page_bytes=cache.page_bytes, compute_dtype=dtype, hot_pages=cache.hot_pages)
         for l, attn in enumerate(model.attention_layers()):
             attn.bind(self.kv.layer_views(l), self.backend)
         self.forward = DecodeCapture(model, self.device, enforce_eager)

@@ -36,16 +36,25 @@ class FullHeads(HeadClass):
         prefill = _IMPLS[layer.backend.NAME][1]
         for ch in ctx.prefills:
             s = ch.rows
-            out[s] = prefill(q[s], k[s], v[s], group.k, group.v, ctx, ch, layer.scale)
+            k_cache, v_cache, at = self.prefill_source(group, ch, q.device)
+            out[s] = prefill(q[s], k[s], v[s], k_cache, v_cache, ctx, at, layer.scale)
+
+    def prefill_source(self, group, ch: PrefillChunk, device) -> tuple[KVTensor, KVTensor, PrefillChunk]:
+        """The caches a prefill chunk attends (those before it in its sequence), with the
+        chunk that addresses them: the pool itself."""
+        return group.k, group.v, ch
 
     def write(self, group, ctx, kst, vst) -> None:
-        """The step's K/V into the group's slots of the pool (ctx.full_slots)."""
+        """The step's K/V into the group's slots of the pool (ctx.full_slots), which may
+        be in host memory (select heads' home pool): moved there (no-ops otherwise)."""
+        home = group.k.data.device
+        slots = ctx.full_slots.to(home)
         if group.kv is not None:  # K and V in one write: [2, n, T, D]
-            group.kv[:, :, ctx.full_slots] = torch.stack((kst[0], vst[0])).transpose(1, 2)
+            group.kv[:, :, slots] = torch.stack((kst[0], vst[0])).transpose(1, 2).to(home)
         else:
-            at = (slice(None), ctx.full_slots)
-            group.k.put(at, *take(kst, lambda t: t.transpose(0, 1)))
-            group.v.put(at, *take(vst, lambda t: t.transpose(0, 1)))
+            at = (slice(None), slots)
+            group.k.put(at, *take(kst, lambda t: t.transpose(0, 1).to(home)))
+            group.v.put(at, *take(vst, lambda t: t.transpose(0, 1).to(home)))
 
     def decode(self, layer, group, ctx, q) -> torch.Tensor:
         """The decode rows' attention: q [B, n*g, D] -> [B, n*g, D]."""

@@ -15,8 +15,15 @@ Generated tokens' K/V are what decode computed with page selection. When a seque
 recomputed from its tokens (after preemption), the rows of its generated tokens are
 attended as its decode steps attended them, each a one-token sequence of its own length
 over the same pages and summaries, so that recomputing changes nothing.
+
+With the pages in host memory (EngineConfig.select_host_pages; engine.hot_pages) the
+group's k and v are its home pool there: writes and summaries read it, decode attends the
+chosen pages through the group's hot set on the device, and a later prefill chunk attends
+a device copy of the sequence's earlier K/V.
 """
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -77,11 +84,24 @@ class SelectHeads(FullHeads):
             tables = table[None].expand(len(lens), -1).contiguous()  # [R, P]: one sequence per row
             picked = select_pages(q[rows], group.summary, tables, lens, ctx.block_size, group.sink,
                                   group.window, group.budget, K)
-            out[rows] = _IMPLS[layer.backend.NAME](q[rows], group, picked, ctx.block_size, layer.scale)
+            out[rows] = attend_chosen(layer, group, q[rows], picked, ctx.block_size)
 
     def write(self, group, ctx, kst, vst) -> None:
         super().write(group, ctx, kst, vst)
-        refresh_summaries(group, self._shared(ctx)["blocks"], ctx.block_size)
+        blocks = self._shared(ctx)["blocks"]
+        refresh_summaries(group, blocks, ctx.block_size)
+        if group.hot is not None:
+            group.hot.invalidate(blocks)
+
+    def prefill_source(self, group, ch, device):
+        """In host memory, the chunk attends a device copy of its sequence's K/V
+        [n, start + length, D] (a first chunk reads only its own rows: nothing to copy)."""
+        if group.hot is None or ch.pages is None:
+            return super().prefill_source(group, ch, device)
+        at = (slice(None), ch.pages.to(group.k.data.device))
+        k, v = (KVTensor(c.data[at].to(device), None if c.scale is None else c.scale[at].to(device), c.dtype)
+                for c in (group.k, group.v))
+        return k, v, dataclasses.replace(ch, pages=torch.arange(ch.pages.numel(), device=device))
 
     def decode(self, layer, group, ctx, q) -> torch.Tensor:
         shared = self._shared(ctx)
@@ -89,12 +109,41 @@ class SelectHeads(FullHeads):
         if key not in shared:
             shared[key] = page_count(shared["lens"], ctx.decode.block_tables.shape[1], ctx.block_size, *key)
         K = shared[key]
-        if K is None:  # every page fits the budget: exactly the full class's decode
-            return super().decode(layer, group, ctx, q)
         # block tables [B, W] int32: StepMetadata builds them when a layout has select heads
-        picked = select_pages(q, group.summary, ctx.decode.block_tables, ctx.decode_lens, ctx.block_size,
-                              group.sink, group.window, group.budget, K)
-        return _IMPLS[layer.backend.NAME](q, group, picked, ctx.block_size, layer.scale)
+        tables = ctx.decode.block_tables
+        if K is None:  # every page fits the budget: exactly the full class's decode
+            if group.hot is None:
+                return super().decode(layer, group, ctx, q)
+            n = group.num_heads  # in host memory: every page chosen, through the hot set
+            lens = ctx.decode_lens.to(torch.int32)[None].expand(n, -1).contiguous()  # [n, B]
+            picked = (tables[None].expand(n, -1, -1), lens)
+        else:
+            picked = select_pages(q, group.summary, tables, ctx.decode_lens, ctx.block_size,
+                                  group.sink, group.window, group.budget, K)
+        return attend_chosen(layer, group, q, picked, ctx.block_size)
+
+
+def attend_chosen(layer, group, q: torch.Tensor, picked, block_size: int) -> torch.Tensor:
+    """Attention of q [R, n*g, D] over the pages `picked` names ((tables [n, R, K], lens
+    [n, R]), select_pages), from the pool, or through the hot set when the group's pages
+    wait in host memory; rows are split where one call's pages would overflow it."""
+    impl = _IMPLS[layer.backend.NAME]
+    if group.hot is None:
+        return impl(q, group, picked, block_size, layer.scale)
+    tables, lens = picked
+    hot_tables = group.hot.chosen(tables, lens)
+    if hot_tables is None:
+        R = q.shape[0]
+        if R == 1:
+            raise RuntimeError("a select head's chosen pages do not fit its hot set (select_hot_pages)")
+        h = R // 2
+        return torch.cat([attend_chosen(layer, group, q[a:b], (tables[:, a:b], lens[:, a:b]), block_size)
+                          for a, b in ((0, h), (h, R))])
+    hot_group = group.state.get("hot_group")
+    if hot_group is None:  # the same heads over the hot set's pages
+        hot_group = group.state["hot_group"] = dataclasses.replace(group, k=group.hot.k, v=group.hot.v, kv=None,
+                                                                   hot=None, state={})
+    return impl(q, hot_group, (hot_tables, lens.to(torch.int32)), block_size, layer.scale)
 
 
 def _chunk_blocks(ctx, ch, paged_backend: bool) -> torch.Tensor:
@@ -116,10 +165,12 @@ def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: 
                                                                              group.summary):
         return
     n, D = group.k.shape[0], group.k.shape[-1]
-    k = group.k.data.view(n, -1, block_size, D)[:, blocks]  # [n, m, bs, D]
+    at = blocks.to(group.k.data.device)  # the keys may be in host memory (select_host_pages)
+    k = group.k.data.view(n, -1, block_size, D)[:, at]  # [n, m, bs, D]
     if group.k.scale is not None:
-        k = dequantize(k, group.k.scale.view(n, -1, block_size)[:, blocks], torch.float32)
-    group.summary[blocks] = torch.stack((k.amin(2), k.amax(2)), 2).transpose(0, 1).to(group.summary.dtype)
+        k = dequantize(k, group.k.scale.view(n, -1, block_size)[:, at], torch.float32)
+    s = torch.stack((k.amin(2), k.amax(2)), 2).transpose(0, 1)
+    group.summary[blocks] = s.to(group.summary.device, group.summary.dtype)
 
 
 def page_bounds(q: torch.Tensor, summary: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,8 @@ def refresh_summaries(k: torch.Tensor, blocks: torch.Tensor, block: int, summary
     float32 or bfloat16, unit inner strides). False, nothing written, where the library
     or these inputs do not fit it."""
     lib = select_library()
-    if (lib is None or k.device.type != "cpu" or k.dtype not in DTYPES or summary.dtype != k.dtype
+    if (lib is None or k.device.type != "cpu" or summary.device.type != "cpu" or k.dtype not in DTYPES
+            or summary.dtype != k.dtype
             or k.stride(-1) != 1 or summary.stride(-1) != 1 or summary.stride(-2) != summary.shape[-1]
             or blocks.dtype != torch.int64 or k.shape[-1] > 512):
         return False

@@ -53,6 +53,8 @@ class HeadGroup:
     budget: int = 0                 # select classes: tokens attended per decode step
     summary: torch.Tensor | None = None  # classes with page summaries: [num_blocks, n, 2, D]
                                          # per-channel key min and max of each block
+    hot: Any = None  # select heads whose pages wait in host memory (k, v above): their
+                     # hot set on the device, an engine.hot_pages.HotView
     state: dict = field(default_factory=dict)  # what the class keeps per group (its kernel calls)
 
     @property
