@@ -90,8 +90,11 @@ class SelectHeads(FullHeads):
         super().write(group, ctx, kst, vst)
         blocks = self._shared(ctx)["blocks"]
         refresh_summaries(group, blocks, ctx.block_size)
-        if group.hot is not None:
-            group.hot.invalidate(blocks)
+        if group.hot is not None:  # the written blocks on the host, read once per step for every layer
+            shared = self._shared(ctx)
+            if "host_blocks" not in shared:
+                shared["host_blocks"] = blocks.to("cpu", torch.int64)
+            group.hot.invalidate(shared["host_blocks"])
 
     def prefill_source(self, group, ch, device):
         """In host memory, the chunk attends a device copy of its sequence's K/V
