@@ -16,6 +16,7 @@ Writes a Markdown table and JSON to --out-dir.
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -37,11 +38,13 @@ def prompts(tokenizer, context: int, batch: int) -> list[list[int]]:
     return [ids[i * context:(i + 1) * context] for i in range(batch)]
 
 
-def run(llm, ps, steps: int) -> tuple[list, float, tuple[int, int]]:
-    """Greedy outputs of `steps` tokens, and the time and the hot set's (pages copied,
-    hits) of steps - 2 decode steps in steady state. The prompts are prefilled once into
-    the prefix cache first; then they are run to two tokens and to `steps` tokens (each
-    computing only its prompt's last block), and the first run is taken off the second."""
+def run(llm, ps, steps: int, repeats: int) -> tuple[list, list[float], tuple[int, int]]:
+    """Greedy outputs of `steps` tokens, the times of steps - 2 decode steps in steady
+    state (`repeats` of them), and the hot set's (pages copied, hits) over the first. The
+    prompts are prefilled once into the prefix cache first; then they are run to two
+    tokens and to `steps` tokens (each computing only its prompt's last block), and the
+    first run is taken off the second. One such window lasts a second or two, and on a
+    shared two-core machine one window's speed varied 1.6x between runs: hence repeats."""
     from headwise import SamplingParams
 
     hot = llm.engine.runner.kv.hot
@@ -54,9 +57,13 @@ def run(llm, ps, steps: int) -> tuple[list, float, tuple[int, int]]:
         return outs, time.perf_counter() - t, (after[0] - before[0], after[1] - before[1])
 
     timed(1)  # the prefill, into the prefix cache
-    _, t2, (c2, h2) = timed(2)
-    outs, tn, (cn, hn) = timed(steps)
-    return outs, tn - t2, (cn - c2, hn - h2)
+    secs, counts = [], None
+    for _ in range(repeats):
+        _, t2, (c2, h2) = timed(2)
+        outs, tn, (cn, hn) = timed(steps)
+        secs.append(tn - t2)
+        counts = counts or (cn - c2, hn - h2)
+    return outs, secs, counts
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -67,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=2)
     ap.add_argument("--steps", type=int, default=64, help="tokens generated (at least 3)")
     ap.add_argument("--kv-cache-memory", default="4GiB")
+    ap.add_argument("--repeats", type=int, default=5, help="timed steady-state windows per mode (median)")
     ap.add_argument("--out-dir", default="bench/host_pages")
     a = ap.parse_args(argv)
     if a.steps < 3:
         ap.error("--steps must be at least 3")
+    if a.repeats < 1:
+        ap.error("--repeats must be at least 1")
     from headwise import LLM
     from headwise.config import parse_size
 
@@ -85,10 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         ps = prompts(llm.tokenizer, a.context, a.batch)
         eng = llm.engine
         hot = eng.runner.kv.hot
-        outs, secs, (copied, hits) = run(llm, ps, a.steps)
+        outs, secs, (copied, hits) = run(llm, ps, a.steps, a.repeats)
         got[mode] = [o.token_ids for o in outs]
         decodes = a.steps - 2
-        row = {"mode": mode, "decode_tok_s": a.batch * decodes / secs,
+        speeds = sorted(a.batch * decodes / t for t in secs)
+        row = {"mode": mode, "decode_tok_s": statistics.median(speeds), "decode_tok_s_all": speeds,
                "device_kv_mib_per_seq": eng.cache.kv_bytes(a.context + a.steps) / 2**20,
                "host_kv_mib_per_seq": (-(-(a.context + a.steps) // eng.cache.block_size)
                                        * eng.cache.host_block_bytes / 2**20)}
@@ -103,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
         del llm
     same = got["pool"] == got["host"]
     h = rows[1]
+
+    def speed(row: dict) -> str:
+        return f"{row['decode_tok_s']:.1f} [{row['decode_tok_s_all'][0]:.1f}-{row['decode_tok_s_all'][-1]:.1f}]"
+
     table = "\n".join([
         f"Select pages in host memory: {a.layout}, {a.context} tokens x {a.batch} sequences, {a.steps} decode "
         f"steps; {machine()}",
@@ -115,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         f"| pages a select head attends per step (all sequences) | | {h['pages_attended_per_step']:.1f} |",
         f"| of them copied in per step (steady state) | | {h['pages_copied_per_step']:.2f} (hit rate {h['hit_rate']:.1%}) |",
         f"| bytes copied in per step, all select heads | | {h['copied_kib_per_step_all_heads']:.0f} KiB |",
-        f"| decode tok/s here (CPU) | {rows[0]['decode_tok_s']:.1f} | {h['decode_tok_s']:.1f} |",
+        f"| decode tok/s here (CPU), median [min-max] of {a.repeats} | {speed(rows[0])} | {speed(h)} |",
         f"| greedy tokens equal | | {'yes' if same else 'NO'} |",
     ])
     print(table)

@@ -164,7 +164,7 @@ def test_calibrate_cli_rejects_bad_kinds(tmp_path, capsys):
 
     rc = main(["calibrate", "--out", str(tmp_path / "l.json"), "--kinds", "number,essay"])
     assert rc == 2
-    assert "calibration kinds must be some of number, phrase, distractors, tally" in capsys.readouterr().err
+    assert "calibration kinds must be some of number, phrase, distractors, tally, codes" in capsys.readouterr().err
     assert not (tmp_path / "l.json").exists()
 
 

@@ -4,7 +4,7 @@ import torch
 
 from headwise import LLM, SamplingParams
 from headwise.config import ConfigError
-from headwise.engine.llm_engine import PromptTooLongError
+from headwise.engine.request_checks import PromptTooLongError
 from headwise.engine.scheduler import RequestTooLargeError
 from headwise.models.config import UnsupportedModelError
 from headwise.sampling import InvalidParameterError

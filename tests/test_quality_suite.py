@@ -80,6 +80,23 @@ def test_tally_calibration_prompt_asks_for_the_city_named_most(tok):
             calib.make_samples(tok, 2, (512,), seed=0, kinds=bad)
 
 
+def test_codes_calibration_prompt_asks_one_of_several_serial_codes(tok):
+    import re
+
+    shape = r"[A-Z0-9]{3}-[0-9]{4}-[A-Z]{3}"
+    for seed in (1, 2):
+        s = calib.calib_prompt(tok, "codes", 1024, 0.3, seed)
+        body, question = s.text.rsplit("\n\n", 1)
+        crates = re.findall(rf"The crate stamped ({shape}) contains spare part ({shape})\.", body)
+        assert len(crates) == len(s.needles) == calib.CODE_NEEDLES
+        assert len({k for k, _ in crates}) == calib.CODE_NEEDLES
+        key, value = re.findall(shape, s.needles[0])  # the first needle is the one asked
+        assert set(re.findall(shape, question)) == {key}
+        assert s.answers == [value] == [v for k, v in crates if k == key] and body.count(value) == 1
+        # a serial code is not a UUID (the suite's uuidkey family): the shapes differ
+        assert not re.search(r"[0-9a-f]{8}-[0-9a-f]{4}", s.text)
+
+
 @pytest.mark.parametrize("name", list(families.FAMILIES))
 def test_family_prompts_have_length_depth_and_their_answer_once(tok, name):
     fam = families.FAMILIES[name]
@@ -92,9 +109,13 @@ def test_family_prompts_have_length_depth_and_their_answer_once(tok, name):
         if s.needles:
             first = s.needles[0]
             assert s.text.count(first) == 1, (name, first)
-            at = len(tok.encode(s.text[: s.text.index(first)])) / n
-            assert abs(at - depth) <= 0.06, (name, depth, at)
-            if name in ("number", "phrase", "multikey", "passkey"):
+            # the depth, in tokens of the document before the question, falls on the needle
+            # (uuidkey's needles and question are long), give or take 6%
+            doc = len(tok.encode(s.text.rsplit("\n\n", 1)[0]))
+            at = len(tok.encode(s.text[: s.text.index(first)])) / doc
+            end = at + len(tok.encode(first)) / doc
+            assert at - 0.06 <= depth <= end + 0.06, (name, depth, at, end)
+            if name in ("number", "phrase", "multikey", "uuidkey", "passkey"):
                 # the answer is in the text exactly once, inside the needle
                 ans = s.answers[0] if name != "phrase" else s.answers[-1]
                 assert s.text.lower().count(ans.lower()) == 1 + (name == "passkey"), (name, ans)
@@ -127,6 +148,28 @@ def test_qa_answer_is_a_span_of_the_document(tok):
     rest = sentence.strip()[len(opening):]
     assert tasks.score(s, rest) == 1.0
     assert s.text.count(opening) == 2  # in the document once, and quoted by the question
+
+
+def test_uuidkey_asks_one_of_many_random_keys_and_wants_its_value_exactly(tok):
+    import re
+
+    shape = r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}"
+    for length, seed in ((1024, 0), (4096, 4), (8000, 8)):
+        s = families.uuidkey(tok, length, 0.5, seed)
+        assert len(s.needles) == max(4, length // 512)
+        pairs = [re.findall(shape, n) for n in s.needles]
+        assert all(len(p) == 2 for p in pairs)
+        keys = [k for k, _ in pairs]
+        assert len(set(keys)) == len(keys)
+        body, question = s.text.rsplit("\n\n", 1)
+        asked = re.findall(shape, question)
+        assert set(asked) == {pairs[0][0]} and s.answers == [pairs[0][1]]
+        assert body.count(asked[0]) == 1 and body.count(s.answers[0]) == 1
+        # another needle's value, or the value with one character changed, scores 0
+        assert tasks.score(s, " " + pairs[1][1] + ".") == 0.0
+        wrong = s.answers[0][:-1] + ("0" if s.answers[0][-1] != "0" else "1")
+        assert tasks.score(s, " " + wrong) == 0.0
+        assert tasks.score(s, " " + s.answers[0].upper() + ".") == 1.0
 
 
 def test_fwe_answers_are_the_most_frequent_words(tok):

@@ -5,7 +5,9 @@ Held out from the quality suite (evaluation.families): the haystacks come from t
 "calib" sources of evaluation.sources (GNU Info manuals, Debian package READMEs), never
 the suite's, and the needles from CALIB_TEMPLATES, none of which the suite uses. Kinds:
 number needles, phrase needles (the answer is copied words), several needles with one
-asked for, and (opt-in, `tally`) a count over the whole prompt: one traveller's trips
+asked for, (opt-in, `codes`) six needles whose keys and values are random serial codes,
+one asked for, so a head that copies an unseen string from far back shows it, and
+(opt-in, `tally`) a count over the whole prompt: one traveller's trips
 scattered through the text, the city named most often asked for, so a head that must
 see every mention to answer shows it.
 """
@@ -44,12 +46,25 @@ TALLY_TEMPLATES = [
     ("{k} took the night train to {v}.", "Which city did {k} take the night train to most often? "
                                          "The city {k} took the night train to most often is"),
 ]
-CALIB_TEMPLATES = [t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES + TALLY_TEMPLATES for t in pair]
+CODE_TEMPLATES = [
+    ("The crate stamped {k} contains spare part {v}.", "Which spare part does the crate stamped {k} contain? "
+                                                       "The crate stamped {k} contains spare part"),
+]
+CALIB_TEMPLATES = [t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES + TALLY_TEMPLATES + CODE_TEMPLATES
+                   for t in pair]
 HEAD = "Below is some documentation. A few facts are hidden in it; remember them.\n\n"
 KINDS = ("number", "phrase", "distractors")  # the default mix (every shipped layout's)
-ALL_KINDS = KINDS + ("tally",)
+ALL_KINDS = KINDS + ("tally", "codes")
 # tally: trips to each of five cities; the first is the answer, named more often than any other
 TALLY_COUNTS = (5, 3, 2, 2, 1)
+CODE_NEEDLES = 6  # codes: crates in one prompt
+
+
+def serial_code(rng: random.Random) -> str:
+    """A random serial code, "KQ7-4821-MZT" (not the suite's UUIDs: another shape)."""
+    letters, digits = "ABCDEFGHJKLMNPQRSTUVWXYZ", "0123456789"
+    return "-".join("".join(rng.choice(pool) for _ in range(n))
+                    for pool, n in ((letters + digits, 3), (digits, 4), (letters, 3)))
 
 
 @dataclass
@@ -80,6 +95,13 @@ def calib_prompt(tokenizer, kind: str, length: int, depth: float, seed: int) -> 
         # `depth` places the answer's first mention; every other trip lands anywhere
         depths = [depth] + [rng.random() for _ in trips[1:]]
         needles, answer = [(d, needle.format(k=k, v=c)) for d, c in zip(depths, trips)], cities[0]
+    elif kind == "codes":
+        needle, q = CODE_TEMPLATES[0]
+        keys = [serial_code(rng) for _ in range(CODE_NEEDLES)]
+        values = [serial_code(rng) for _ in keys]
+        depths = [depth] + [rng.random() for _ in keys[1:]]
+        needles = [(d, needle.format(k=k, v=v)) for d, k, v in zip(depths, keys, values)]
+        k, answer = keys[0], values[0]
     elif kind == "phrase":
         t = rng.randrange(len(PHRASE_TEMPLATES))
         needle, q = PHRASE_TEMPLATES[t]

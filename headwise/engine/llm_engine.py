@@ -17,6 +17,7 @@ from headwise.engine.sampler import bad_word_ids, sample
 from headwise.engine.scheduler import Scheduler
 from headwise.engine.detokenizer import IncrementalDetokenizer
 from headwise.engine.grammar import GrammarCompiler, consume
+from headwise.engine.request_checks import check_length, check_params, check_token_ids
 from headwise.engine.sequence import Sequence
 from headwise.heads.base import PAGED, head_class
 from headwise.heads.layout import resolve_layout
@@ -35,31 +36,6 @@ from headwise.weights.registry import cache_dir
 LOGPROB_ELEMENTS = 1 << 29
 
 
-class PromptTooLongError(ValueError):
-    pass
-
-
-def check_token_ids(prompt: object, vocab_size: int) -> list[int]:
-    if not isinstance(prompt, list) or not all(isinstance(t, int) for t in prompt):
-        raise TypeError("a prompt must be a string or a list of token ids")
-    bad = [t for t in prompt if not 0 <= t < vocab_size]
-    if bad:
-        raise ValueError(f"token id {bad[0]} is outside the vocabulary (size {vocab_size})")
-    return list(prompt)
-
-
-def check_params(params: SamplingParams, vocab_size: int) -> None:
-    if params.n != 1:
-        raise InvalidParameterError("n", "the engine takes one choice per sequence; use LLM.generate or "
-                                    "the server for n > 1 (SamplingParams.for_choice)")
-    for name, ids in (("logit_bias", params.logit_bias or {}), ("stop_token_ids", params.stop_token_ids),
-                      ("allowed_token_ids", params.allowed_token_ids or [])):
-        far = [t for t in ids if t >= vocab_size]
-        if far:
-            raise InvalidParameterError(name, f"{name}: token id {far[0]} is outside the vocabulary "
-                                        f"(size {vocab_size})")
-
-
 def _store_prompt_scores(sc: PromptScores) -> None:
     """Into sc.seq.prompt_logprobs: per prompt position, the token's own logprob and the top k
     (a recomputation after preemption writes the same positions again)."""
@@ -71,17 +47,6 @@ def _store_prompt_scores(sc: PromptScores) -> None:
         entry[tok[p]] = lp
         table[p] = entry
         sc.seq.prompt_ranks[p] = sc.ranks[i]
-
-
-def check_length(num_prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
-    if num_prompt_tokens == 0:
-        raise PromptTooLongError("the prompt is empty")
-    if num_prompt_tokens + max_tokens > max_model_len:
-        raise PromptTooLongError(
-            f"this model's maximum context length is {max_model_len} tokens, but the "
-            f"request asks for {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
-            f"the prompt, {max_tokens} for the completion)"
-        )
 
 
 @dataclass(frozen=True)

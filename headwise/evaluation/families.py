@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import re
+import uuid
 from dataclasses import dataclass
 from typing import Callable
 
@@ -67,8 +68,19 @@ MULTIQUERY_QUESTIONS = [
     "What are the access codes of the {ks} offices? The access codes are",
     "Which locker numbers are assigned to {ks}? The locker numbers are",
 ]
+# Random-string needles: a UUID key filed with a UUID value, copied back character for
+# character (RULER's niah_multikey_3 keys and values, in our own phrasing and in prose).
+UUID_TEMPLATES = [
+    ("The archive entry labelled {k} holds the reference {v}.",
+     "What reference does the archive entry labelled {k} hold? The archive entry labelled {k} holds the reference"),
+    ("Shipment {k} was forwarded under the tracking id {v}.",
+     "Under which tracking id was shipment {k} forwarded? Shipment {k} was forwarded under the tracking id"),
+    ("The badge issued for {k} encodes the token {v}.",
+     "Which token does the badge issued for {k} encode? The badge issued for {k} encodes the token"),
+]
 HEAD = "Read the following text carefully; some facts are hidden in it. Answer the question at the end.\n\n"
-EVAL_TEMPLATES = ([t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES + MULTIVALUE_TEMPLATES for t in pair]
+EVAL_TEMPLATES = ([t for pair in NUMBER_TEMPLATES + PHRASE_TEMPLATES + MULTIVALUE_TEMPLATES + UUID_TEMPLATES
+                   for t in pair]
                   + MULTIQUERY_QUESTIONS)
 
 
@@ -152,6 +164,25 @@ def multikey(tok, length: int, depth: float, seed: int, keys: int = 4) -> tasks.
     ks, vs, needles = _number_needles(rng, t, keys, depth)
     q = NUMBER_TEMPLATES[t][1].format(k=ks[0])
     return _sample("multikey", tok, length, depth, seed, needles, q, [vs[0]], _source(seed))
+
+
+def uuidkey(tok, length: int, depth: float, seed: int) -> tasks.Sample:
+    """Many needles of one template, keys and values random UUIDs; one asked for, its value
+    to be copied back exactly. One needle per 512 tokens (at least 4), so the key must be
+    told from many of the same shape."""
+    rng = _rng(seed, length)
+    t = seed % 3
+    needle, q = UUID_TEMPLATES[t]
+    n = max(4, length // 512)
+    ks = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n)]
+    vs = [str(uuid.UUID(int=rng.getrandbits(128), version=4)) for _ in range(n)]
+    # The needles are long (two UUIDs), so the share of the others placed before the asked
+    # one is its depth: then it sits at its depth in tokens, not only in prose.
+    before = round(depth * (n - 1))
+    depths = [depth] + [depth * rng.random() for _ in range(before)] \
+        + [depth + (1 - depth) * rng.random() for _ in range(n - 1 - before)]
+    needles = [(d, _needle(needle.format(k=k, v=v))) for d, k, v in zip(depths, ks, vs)]
+    return _sample("uuidkey", tok, length, depth, seed, needles, q.format(k=ks[0]), [vs[0]], _source(seed))
 
 
 def multivalue(tok, length: int, depth: float, seed: int, values: int = 4) -> tasks.Sample:
@@ -238,6 +269,7 @@ class Family:
 
 FAMILIES = {f.name: f for f in [
     Family("passkey", passkey, 8), Family("number", number, 10), Family("phrase", phrase, 24),
-    Family("multikey", multikey, 10), Family("multivalue", multivalue, 48), Family("multiquery", multiquery, 40),
-    Family("vartrack", vartrack, 24), Family("cwe", cwe, 16), Family("fwe", fwe, 16), Family("qa", qa, 16),
+    Family("multikey", multikey, 10), Family("uuidkey", uuidkey, 40), Family("multivalue", multivalue, 48),
+    Family("multiquery", multiquery, 40), Family("vartrack", vartrack, 24), Family("cwe", cwe, 16),
+    Family("fwe", fwe, 16), Family("qa", qa, 16),
 ]}

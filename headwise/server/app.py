@@ -16,7 +16,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import headwise
-from headwise.engine.llm_engine import LLMEngine, PromptTooLongError, check_params
+from headwise.engine.llm_engine import LLMEngine
+from headwise.engine.request_checks import PromptTooLongError, check_params
 from headwise.engine.scheduler import QueueFullError
 from headwise.server import inputs, protocol as P
 from headwise.errors import InvalidParameterError

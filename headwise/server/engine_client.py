@@ -12,7 +12,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
-from headwise.engine.llm_engine import LLMEngine, PromptTooLongError, check_length, check_token_ids
+from headwise.engine.llm_engine import LLMEngine
+from headwise.engine.request_checks import PromptTooLongError, check_length, check_token_ids
 from headwise.sampling import SamplingParams
 from headwise.tokenizer import Tokenizer
 
