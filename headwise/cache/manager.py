@@ -99,10 +99,9 @@ class KVCacheManager:
         self._tier_link: TierLink | None = None
 
     def _hot_pages(self, host: bool, hot_pages: int | None, max_num_seqs: int) -> int:
-        """Pages per select head in the device's hot set (0: select pages stay in the pool)."""
+        """Pages per select head in the device's hot set (0: select pages stay in the pool;
+        EngineConfig refuses the other host options without select_host_pages)."""
         if not host:
-            if hot_pages is not None:
-                raise CacheConfigError("select_hot_pages needs select_host_pages=True")
             return 0
         geo = self.geometry
         if not geo.summary_heads:

@@ -95,24 +95,22 @@ def calib_prompt(tokenizer, kind: str, length: int, depth: float, seed: int) -> 
         # `depth` places the answer's first mention; every other trip lands anywhere
         depths = [depth] + [rng.random() for _ in trips[1:]]
         needles, answer = [(d, needle.format(k=k, v=c)) for d, c in zip(depths, trips)], cities[0]
-    elif kind == "codes":
-        needle, q = CODE_TEMPLATES[0]
-        keys = [serial_code(rng) for _ in range(CODE_NEEDLES)]
-        values = [serial_code(rng) for _ in keys]
-        depths = [depth] + [rng.random() for _ in keys[1:]]
-        needles = [(d, needle.format(k=k, v=v)) for d, k, v in zip(depths, keys, values)]
-        k, answer = keys[0], values[0]
     elif kind == "phrase":
         t = rng.randrange(len(PHRASE_TEMPLATES))
         needle, q = PHRASE_TEMPLATES[t]
         k = rng.choice(PEOPLE if t == 0 else PLACES)
         v = rng.choice(DISHES if t == 0 else CUSTOMS)
         needles, answer = [(depth, needle.format(k=k, v=v))], v
-    else:
-        t = rng.randrange(len(NUMBER_TEMPLATES))
-        needle, q = NUMBER_TEMPLATES[t]
-        keys = rng.sample(PLACES if t == 0 else PEOPLE, 3 if kind == "distractors" else 1)
-        values = [str(rng.randint(1000, 999999)) for _ in keys]
+    else:  # number, distractors, codes: needles of keys and values, the first asked
+        if kind == "codes":
+            needle, q = CODE_TEMPLATES[0]
+            keys = [serial_code(rng) for _ in range(CODE_NEEDLES)]
+            values = [serial_code(rng) for _ in keys]
+        else:
+            t = rng.randrange(len(NUMBER_TEMPLATES))
+            needle, q = NUMBER_TEMPLATES[t]
+            keys = rng.sample(PLACES if t == 0 else PEOPLE, 3 if kind == "distractors" else 1)
+            values = [str(rng.randint(1000, 999999)) for _ in keys]
         depths = [depth] + [rng.random() for _ in keys[1:]]
         needles = [(d, needle.format(k=k, v=v)) for d, k, v in zip(depths, keys, values)]
         k, answer = keys[0], values[0]

@@ -45,16 +45,8 @@ class FullHeads(HeadClass):
         return group.k, group.v, ch
 
     def write(self, group, ctx, kst, vst) -> None:
-        """The step's K/V into the group's slots of the pool (ctx.full_slots), which may
-        be in host memory (select heads' home pool): moved there (no-ops otherwise)."""
-        home = group.k.data.device
-        slots = ctx.full_slots.to(home)
-        if group.kv is not None:  # K and V in one write: [2, n, T, D]
-            group.kv[:, :, slots] = torch.stack((kst[0], vst[0])).transpose(1, 2).to(home)
-        else:
-            at = (slice(None), slots)
-            group.k.put(at, *take(kst, lambda t: t.transpose(0, 1).to(home)))
-            group.v.put(at, *take(vst, lambda t: t.transpose(0, 1).to(home)))
+        """The step's K/V into the group's slots of the pool (ctx.full_slots)."""
+        write_slots(group, ctx.full_slots, kst, vst)
 
     def decode(self, layer, group, ctx, q) -> torch.Tensor:
         """The decode rows' attention: q [B, n*g, D] -> [B, n*g, D]."""
@@ -196,6 +188,19 @@ def triton_prefill(q, k, v, k_cache: KVTensor, v_cache: KVTensor, ctx: StepConte
 
     return K.paged_prefill(q, k_cache.data, v_cache.data, ch.pages, ch.start, ctx.block_size, scale,
                            k_scale=k_cache.scale, v_scale=v_cache.scale)
+
+
+def write_slots(group, slots: torch.Tensor, kst, vst) -> None:
+    """K/V [T, n, D] (+ scales [T, n]) into `slots` [T] of the group's pool, on the pool's
+    device (select heads' home pool may be host memory: the values move there; the
+    caller gives slots there)."""
+    home = group.k.data.device
+    if group.kv is not None:  # K and V in one write: [2, n, T, D]
+        group.kv[:, :, slots] = torch.stack((kst[0], vst[0])).transpose(1, 2).to(home)
+    else:
+        at = (slice(None), slots)
+        group.k.put(at, *take(kst, lambda t: t.transpose(0, 1).to(home)))
+        group.v.put(at, *take(vst, lambda t: t.transpose(0, 1).to(home)))
 
 
 _IMPLS = {"torch": (torch_decode, torch_prefill), "triton": (triton_decode, triton_prefill)}

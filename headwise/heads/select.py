@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from headwise.heads.base import LayoutError, register
-from headwise.heads.full import FullHeads
+from headwise.heads.full import FullHeads, write_slots
 from headwise.kernels import page_select
 from headwise.kernels.cpu_kernels import usable
 from headwise.layers.kv_tensor import KVTensor, dequantize
@@ -58,8 +58,8 @@ class SelectHeads(FullHeads):
 
     def _shared(self, ctx) -> dict:
         """Per step, computed once for all layers: the blocks the step writes, the decode
-        lengths on the host, and per (sink, window, budget) the page count K (None: every
-        sequence fits)."""
+        lengths on the host, per (sink, window, budget) the page count K (None: every
+        sequence fits), and with pages in host memory the step's slots and blocks there."""
         step = self._step
         if step is None or step[0] is not ctx:
             if ctx.num_decode and not ctx.prefills:  # one new token per sequence: distinct blocks
@@ -87,14 +87,19 @@ class SelectHeads(FullHeads):
             out[rows] = attend_chosen(layer, group, q[rows], picked, ctx.block_size)
 
     def write(self, group, ctx, kst, vst) -> None:
-        super().write(group, ctx, kst, vst)
-        blocks = self._shared(ctx)["blocks"]
-        refresh_summaries(group, blocks, ctx.block_size)
-        if group.hot is not None:  # the written blocks on the host, read once per step for every layer
-            shared = self._shared(ctx)
-            if "host_blocks" not in shared:
-                shared["host_blocks"] = blocks.to("cpu", torch.int64)
-            group.hot.invalidate(shared["host_blocks"])
+        shared = self._shared(ctx)
+        if group.hot is None:
+            super().write(group, ctx, kst, vst)
+            refresh_summaries(group, shared["blocks"], ctx.block_size)
+            return
+        # In host memory: the step's slots and blocks moved there once per step, for every
+        # layer (each move from the device waits for it)
+        if "host" not in shared:
+            shared["host"] = (ctx.full_slots.to("cpu"), shared["blocks"].to("cpu", torch.int64))
+        slots, blocks = shared["host"]
+        write_slots(group, slots, kst, vst)
+        refresh_summaries(group, shared["blocks"], ctx.block_size, home_blocks=blocks)
+        group.hot.invalidate(blocks)
 
     def prefill_source(self, group, ch, device):
         """In host memory, the chunk attends a device copy of its sequence's K/V
@@ -159,8 +164,10 @@ def _chunk_blocks(ctx, ch, paged_backend: bool) -> torch.Tensor:
     return (slots[::bs] // bs).to(torch.int32)
 
 
-def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: bool = True) -> None:
-    """Recompute the key summaries of `blocks` [m] from all block_size keys each holds.
+def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: bool = True,
+                      home_blocks: torch.Tensor | None = None) -> None:
+    """Recompute the key summaries of `blocks` [m] from all block_size keys each holds
+    (`home_blocks`: the same blocks on the keys' device, where that is host memory).
     Rows past a partial block's fill hold stale keys: the bound they give is looser,
     never lower (and a sequence's last page is always attended anyway). On the CPU the C
     kernel (kernels/cpu_select.c) does it in one call for plainly stored keys."""
@@ -168,7 +175,7 @@ def refresh_summaries(group, blocks: torch.Tensor, block_size: int, use_kernel: 
                                                                              group.summary):
         return
     n, D = group.k.shape[0], group.k.shape[-1]
-    at = blocks.to(group.k.data.device)  # the keys may be in host memory (select_host_pages)
+    at = blocks if home_blocks is None else home_blocks
     k = group.k.data.view(n, -1, block_size, D)[:, at]  # [n, m, bs, D]
     if group.k.scale is not None:
         k = dequantize(k, group.k.scale.view(n, -1, block_size)[:, at], torch.float32)
