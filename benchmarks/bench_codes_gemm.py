@@ -4,7 +4,9 @@ multiply them, and the bytes each form holds; ms per pass, median [min-max].
 4-bit weights (q/k/v and gate/up fused, as decode runs them; their parts' packed weights
 for the first column): the prepacked bfloat16 weight the engine runs from 9 rows on
 (oneDNN), PyTorch's int4 CPU matmul it runs up to 8 rows, and int4_gemm over the codes
-(kernels/codes_gemm.py), which a model kept without dense copies runs from 9 rows on.
+(kernels/codes_gemm.py), which a model kept without dense copies runs from 9 rows on; on
+a CPU with AMX, int4_gemm twice: with AVX512-BF16 dot products ("vector") and with AMX
+tiles (what the engine runs there).
 
 int8 weights (Q6_K, Q8_0, Q5_0 ..., the vocabulary projection among them): the
 prepacked bfloat16 weight, kernels.int8_matmul (up to 4 rows, either way), and
@@ -62,7 +64,7 @@ def mib(tensors) -> float:
 
 @torch.inference_mode()  # as the engine runs: in grad mode oneDNN took 50 ms for one row with a bias needing grad
 def main(argv: list[str] | None = None) -> int:
-    from headwise.kernels.codes_gemm import int4_gemm, int8_gemm
+    from headwise.kernels.codes_gemm import gemm_amx, int4_gemm, int8_gemm
     from headwise.kernels.int8_matmul import int8_matmul
     from headwise.layers.int4 import int4_matmul
 
@@ -78,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
         print("the matmuls over codes do not run here (no 4-bit weights, no AVX512-BF16 build, or another layout)")
         return 1
     rows_list = [int(r) for r in args.rows.split(",")]
+    amx = gemm_amx()
+    vector_col = " | vector" if amx else ""
     weights4 = sum(m.in_features * m.out_features for m in packed)
     weights8 = sum(m.in_features * m.out_features for m in int8)
     mib4 = mib(t for m in copies for t in m.int4)
@@ -85,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     lines = [f"Machine: {machine()}; {args.model}, bfloat16; ms per pass, median [min-max] of {args.runs}", "",
              f"{len(packed)} 4-bit linears ({weights4 / 1e6:.0f}M weights) as {len(copies)} matmuls; prepacked bf16 "
              f"{weights4 * 2 / 2**20:.0f} MiB, 4-bit codes with scales {mib4:.0f} MiB", "",
-             "| rows | prepacked bf16 | PyTorch int4 | int4_gemm | int4_gemm / prepacked |", "|---|---|---|---|---|"]
+             f"| rows | prepacked bf16 | PyTorch int4{vector_col} | int4_gemm | int4_gemm / prepacked |",
+             "|---|---|---|---|---|" + "---|" * amx]
     records = []
     for rows in rows_list:
         xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in packed + int8}}
@@ -98,18 +103,21 @@ def main(argv: list[str] | None = None) -> int:
             for m in copies:
                 int4_matmul(xs[m.in_features], m.int4)
 
-        def run_gemm():
+        def run_gemm(amx_on=amx):
+            gemm_amx(amx_on)
             for m in copies:
                 int4_gemm(xs[m.in_features], *m.int4)
 
-        line, (a, b, c) = timed_row(rows, args.runs,
-                                    [run_packed, run_torch_int4 if rows <= TORCH_INT4_MAX_ROWS else None, run_gemm])
+        line, times = timed_row(rows, args.runs, [run_packed, run_torch_int4 if rows <= TORCH_INT4_MAX_ROWS else None,
+                                                  *([lambda: run_gemm(False)] if amx else []), run_gemm])
         lines.append(line)
-        records.append({"weights": "4-bit", "rows": rows, "packed_ms": a, "torch_int4_ms": b, "int4_gemm_ms": c})
+        records.append({"weights": "4-bit", "rows": rows, "packed_ms": times[0], "torch_int4_ms": times[1],
+                        "int4_gemm_ms": times[-1], **({"int4_gemm_vector_ms": times[2]} if amx else {})})
     if int8:
         lines += ["", f"{len(int8)} int8 linears ({weights8 / 1e6:.0f}M weights); prepacked bf16 "
                   f"{weights8 * 2 / 2**20:.0f} MiB, int8 codes with scales {mib8:.0f} MiB", "",
-                  "| rows | prepacked bf16 | int8_matmul | int8_gemm | int8_gemm / prepacked |", "|---|---|---|---|---|"]
+                  f"| rows | prepacked bf16 | int8_matmul{vector_col} | int8_gemm | int8_gemm / prepacked |",
+                  "|---|---|---|---|---|" + "---|" * amx]
         for rows in rows_list:
             xs = {k: torch.randn(rows, k, dtype=torch.bfloat16) for k in {m.in_features for m in int8}}
 
@@ -117,17 +125,20 @@ def main(argv: list[str] | None = None) -> int:
                 for m in int8:
                     int8_matmul(xs[m.in_features], m.int8_codes, m.int8_scales, m.int8_lows)
 
-            def run_int8_gemm():
+            def run_int8_gemm(amx_on=amx):
+                gemm_amx(amx_on)
                 for m in int8:
                     int8_gemm(xs[m.in_features], m.int8_codes, m.int8_scales, m.int8_lows)
 
-            line, (a, b, c) = timed_row(rows, args.runs, [lambda: run_packed(int8), run_int8_matmul
-                                                          if rows <= INT8_MATMUL_MAX_ROWS else None, run_int8_gemm])
+            line, times = timed_row(rows, args.runs, [lambda: run_packed(int8), run_int8_matmul
+                                                      if rows <= INT8_MATMUL_MAX_ROWS else None,
+                                                      *([lambda: run_int8_gemm(False)] if amx else []), run_int8_gemm])
             lines.append(line)
-            records.append({"weights": "int8", "rows": rows, "packed_ms": a, "int8_matmul_ms": b, "int8_gemm_ms": c})
+            records.append({"weights": "int8", "rows": rows, "packed_ms": times[0], "int8_matmul_ms": times[1],
+                            "int8_gemm_ms": times[-1], **({"int8_gemm_vector_ms": times[2]} if amx else {})})
     table = "\n".join(lines)
     print("\n" + table)
-    save(args.out, {"machine": machine(), "model": args.model, "mib_packed_4bit": weights4 * 2 / 2**20,
+    save(args.out, {"machine": machine(), "model": args.model, "amx": amx, "mib_packed_4bit": weights4 * 2 / 2**20,
                     "mib_codes_4bit": mib4, "mib_packed_int8": weights8 * 2 / 2**20, "mib_codes_int8": mib8,
                     "records": records}, table)
     return 0

@@ -3,14 +3,18 @@ kernels/cpu_gemm.c): each computes x times the weight the codes stand for, to th
 precision of its bfloat16 output, for row counts around its 6-row tiles and K not a
 multiple of its 1024-input tiles; the 4-bit one reads the codes where PyTorch's own int4
 kernel does, the int8 one the dense weight layers.quant makes from the same codes; both
-decline what they do not take."""
+decline what they do not take; the gated products (an MLP's act(gate(x)) * up(x) in one
+call) are within the same rounding of their float64 value. Every test runs with
+AVX512-BF16 dot products and, on a CPU with AMX, again with AMX tiles."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from headwise.kernels import cpu_kernels
-from headwise.kernels.codes_gemm import int4_gemm, int8_gemm, int8_gemm_takes
+import torch.nn.functional as F
+
+from headwise.kernels.codes_gemm import gemm_amx, int4_gemm, int4_gemm_glu, int8_gemm, int8_gemm_glu, int8_gemm_takes
 from headwise.kernels.weight_codes import int4_layout_matches
 from headwise.layers.int4 import int4_cast, int4_pack
 from headwise.layers.quant import QuantCodes
@@ -20,6 +24,18 @@ pytestmark = pytest.mark.skipif(cpu_kernels.gemm_library() is None or not int4_l
                                              torch.zeros(64, 16, dtype=torch.uint8),
                                              torch.zeros(1, 64, 2, dtype=torch.bfloat16)) is None,
                                 reason="no AVX512-BF16 kernel on this machine")
+
+
+@pytest.fixture(params=["vector", "amx"], autouse=True)
+def multiply_with(request):
+    """Each test once per way the kernels multiply: AVX512-BF16 dot products, AMX tiles."""
+    amx = gemm_amx()
+    if request.param == "amx" and not amx:
+        pytest.skip("no AMX on this machine (or Linux did not grant its state)")
+    gemm_amx(request.param == "amx")
+    assert gemm_amx() == (request.param == "amx")
+    yield
+    gemm_amx(amx)
 
 
 def weight(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,3 +178,46 @@ def test_rows_split_into_runs_sum_as_one(n, m):
     finally:
         torch.set_num_threads(threads)
     assert bounded(ys[0], x, w) and bounded(ys[1], x, q.dense(torch.bfloat16))
+
+
+def gated_bounded(y: torch.Tensor, x: torch.Tensor, wg: torch.Tensor, wu: torch.Tensor, act: str) -> bool:
+    """y within act(x wg^T) * (x wu^T)'s bfloat16 rounding, plus each product's float32
+    accumulation (as bounded()) carried through the activation (slope below 1.2) and the
+    product, plus the activation's own float32 error."""
+    xd = x.double()
+    g, u = xd @ wg.double().t(), xd @ wu.double().t()
+    a = F.silu(g) if act == "silu" else F.gelu(g, approximate="tanh")
+    exact = a * u
+    eg = (xd.abs() @ wg.double().abs().t()) * 2 ** -16
+    eu = (xd.abs() @ wu.double().abs().t()) * 2 ** -16
+    bound = exact.abs() * 2 ** -8 + 1.2 * eg * u.abs() + a.abs() * eu + exact.abs() * 1e-5 + 1e-30
+    return y.dtype == torch.bfloat16 and y.shape == exact.shape and bool(((y.double() - exact).abs() <= bound).all())
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+@pytest.mark.parametrize("m", [1, 7, 17, 200])
+def test_gated_products(act, m):
+    """int4_gemm_glu over a fused gate/up weight (gate's rows first) and int8_gemm_glu over
+    two int8 weights: act(gate) * up, rounded once; large |gate| too (the activation's
+    exponential clamped, not overflowing)."""
+    packed, sz, w = weight(256, 576, seed=m)
+    x = torch.randn(m, 576, generator=torch.Generator().manual_seed(m)).to(torch.bfloat16)
+    x[0, :8] = 60.0  # gate outputs far from 0 on both sides
+    assert gated_bounded(int4_gemm_glu(x, packed, sz, act), x, w[:128], w[128:], act)
+    for group, lows in ((16, False), (32, True)):
+        gate, up = int8_weight(128, 576, group, lows, seed=m), int8_weight(128, 576, group, lows, seed=m + 1)
+        y = int8_gemm_glu(x, (gate.codes, gate.scales, gate.lows), (up.codes, up.scales, up.lows), act)
+        assert gated_bounded(y, x, gate.dense(torch.bfloat16), up.dense(torch.bfloat16), act)
+
+
+def test_gated_products_decline_what_they_do_not_take():
+    packed, sz, _ = weight(256, 64, seed=9)
+    x = torch.randn(20, 64).to(torch.bfloat16)
+    assert int4_gemm_glu(x, packed, sz, "relu") is None                  # an activation it lacks
+    p192, sz192, _ = weight(192, 64, seed=10)                             # gate and up of 96 rows
+    assert int4_gemm_glu(x, p192, sz192, "silu") is None
+    assert int4_gemm_glu(x.float(), packed, sz, "silu") is None          # float32 activations
+    gate, up = int8_weight(128, 64, 32, False, seed=11), int8_weight(128, 64, 32, True, seed=12)
+    assert int8_gemm_glu(x, (gate.codes, gate.scales, None), (up.codes, up.scales, up.lows), "silu") is None
+    assert int8_gemm_glu(x, (gate.codes, gate.scales, None), (up.codes[:64], up.scales[:64], None), "silu") is None
+    assert int8_gemm_glu(x, (gate.codes, gate.scales, None), (up.codes, up.scales, None), "tanh") is None

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 
 from headwise.layers.int4 import INT4_MAX_ROWS
-from headwise.layers.linear import Linear, can_pack
+from headwise.layers.linear import Linear, activate, can_pack
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -322,3 +322,46 @@ def test_fused_int4_kept_as_codes_only_serves_prefill():
     ref = F.linear(big.float(), torch.cat(ws), torch.cat(bs))
     assert (fused(big).float() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
     assert {n for n, _ in fused.named_modules()} == {""}  # the parts are not its submodules
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gate_and_up_kept_as_codes_only_run_as_one_gated_product(act, monkeypatch):
+    """An MLP's gate and up kept as codes only (a 4-bit fusion, or two int8 weights):
+    above decode size, act(gate(x)) * up(x) comes from one kernel call
+    (kernels.codes_gemm's gated products), within bfloat16 rounding of the two matmuls
+    and the activation run apart; at decode size, and where the kernel declines, the
+    caller's path (None)."""
+    import headwise.layers.linear as L
+    from headwise.layers.linear import FusedInt4, int8_glu
+
+    parts = [Linear(64, 128, bias=False) for _ in range(2)]
+    with torch.no_grad():
+        for i, p in enumerate(parts):
+            p.weight.copy_(_q4_1_weight(128, 64, seed=20 + i)[0])
+    fused = FusedInt4(parts)
+    fused.cast(torch.bfloat16)
+    x = torch.randn(INT4_MAX_ROWS + 9, 64).to(torch.bfloat16)
+    assert fused.glu(x, act) is None  # the parts still have their weights
+    fused.keep_codes_only()
+    gate, up = fused(x).float().split(fused.sizes, dim=-1)
+    apart = activate(gate, act) * up
+    one = fused.glu(x, act)
+    if one is None:
+        pytest.skip("no AVX512-BF16 gated product on this machine")
+    assert one.shape == (x.shape[0], 128)
+    assert (one.float() - apart).abs().max().item() < 0.02 * apart.abs().max().item()
+    assert fused.glu(x[:INT4_MAX_ROWS], act) is None  # decode size: the fused int4 kernel, apart
+    gate8, _, _ = _int8_codes_only(16, False, False)
+    up8, _, _ = _int8_codes_only(32, True, False)
+    y = torch.randn(9, 96).to(torch.bfloat16)
+    assert int8_glu(gate8, up8, y, act) is None  # groups of 16 and 32: two calls
+    up8, _, _ = _int8_codes_only(16, False, False)
+    with torch.no_grad():
+        up8.int8_codes.copy_(torch.roll(up8.int8_codes, 1, 0))  # another weight of the same form
+    apart = activate(gate8(y).float(), act) * up8(y).float()
+    one = int8_glu(gate8, up8, y, act)
+    assert one.shape == (9, 128)
+    assert (one.float() - apart).abs().max().item() < 0.02 * apart.abs().max().item()
+    assert int8_glu(gate8, up8, y[:4], act) is None  # kernels.int8_matmul's rows
+    monkeypatch.setattr(L, "int8_gemm_glu", lambda *a: None)
+    assert int8_glu(gate8, up8, y, act) is None

@@ -9,10 +9,16 @@ dense copy beside them:
 PyTorch's own int4 kernel is the faster one at a few rows and loses to the packed
 bfloat16 weight from about 16 (layers/linear.py); kernels.int8_matmul takes up to 4 rows.
 These dequantize each weight once per call into a bfloat16 tile and multiply every row
-against it with AVX512-BF16 dot products: int4_gemm within 2-15% of the packed weight's
-time from 8 rows to prefill chunks, from a third of its bytes (benchmarks/bench_codes_gemm.py,
-docs/benchmarks.md). The engine calls them (layers.linear) for the larger calls of a
+against it with AVX512-BF16 dot products, or AMX tiles where the CPU has them: int4_gemm
+within 2-15% of the packed weight's time from 8 rows to prefill chunks, from a third of its
+bytes, on a CPU without AMX (benchmarks/bench_codes_gemm.py, docs/benchmarks.md). The engine calls them (layers.linear) for the larger calls of a
 model kept without dense copies (dense_weights=False).
+
+int4_gemm_glu and int8_gemm_glu compute an MLP's act(gate(x)) * up(x) in the same pass,
+from a fused gate/up 4-bit weight or two int8 ones, rounding once: unfused, the [M, 2 I]
+product and the activation's and the product's passes over it were a fifth of a codes-only
+prefill's matmul time (SmolLM2, 8K: 0.27 of 1.57 s); oneDNN fuses the same into the packed
+dense weight's matmul.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ from headwise.kernels.weight_codes import int4_layout_matches
 
 BLOCK_ROWS = 64  # output rows per block of the kernels' tiles: N must be a multiple
 INT8_GROUPS = (16, 32)  # inputs per scale int8_gemm reads
+GLU_ACTS = {"silu": 1, "gelu_tanh": 2}  # activations the gated products apply (cpu_gemm.c's ACT_*)
 
 
 def _takes(x: torch.Tensor) -> bool:
@@ -56,6 +63,14 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     if rc == -2:
         raise MemoryError("int4 gemm: out of memory")
     return None if rc else out
+
+
+def gemm_amx(on: bool | None = None) -> bool:
+    """Whether int4_gemm and int8_gemm multiply with AMX tiles (on a CPU that has them,
+    once Linux grants the tile state); on=False turns AMX off for this process, True back
+    on where it can be (benchmarks and tests compare the two)."""
+    lib = gemm_library()
+    return lib is not None and bool(lib.gemm_amx(-1 if on is None else int(on)))
 
 
 def int8_gemm_takes(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None) -> bool:
@@ -93,3 +108,50 @@ def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     if rc == -2:
         raise MemoryError("int8 gemm: out of memory")
     return None if rc else out
+
+
+def _run(name: str, out: torch.Tensor, *args) -> torch.Tensor | None:
+    """The library's `name`(*args): out, or None where the kernel declined."""
+    lib = gemm_library()
+    if lib is None:
+        return None
+    rc = getattr(lib, name)(*args, torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"{name}: out of memory")
+    return None if rc else out
+
+
+def int4_gemm_glu(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, act: str) -> torch.Tensor | None:
+    """act(x gate^T) * (x up^T) -> [M, I] bfloat16 over a fused 4-bit weight of 2 I rows,
+    gate's first (codes, sz as int4_gemm's), each product in float32, rounded once. None
+    where int4_gemm would decline, I is not a multiple of 64, or act is not in GLU_ACTS."""
+    if not _takes(x) or act not in GLU_ACTS:
+        return None
+    M, K = x.shape
+    N = codes.shape[0]
+    if (codes.dtype != torch.uint8 or codes.shape != (N, K // 2) or not codes.is_contiguous() or K % 32
+            or N % (2 * BLOCK_ROWS) or sz.dtype != torch.bfloat16 or sz.shape != (K // 32, N, 2)
+            or not sz.is_contiguous() or not int4_layout_matches()):
+        return None
+    out = torch.empty(M, N // 2, dtype=torch.bfloat16)
+    return _run("int4_gemm_glu", out, x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), sz.data_ptr(), N,
+                GLU_ACTS[act], out.data_ptr(), N // 2)
+
+
+def int8_gemm_glu(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+                  up: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None], act: str) -> torch.Tensor | None:
+    """act(x gate^T) * (x up^T) -> [M, N] bfloat16 over two int8 weights (codes, scales,
+    lows) of the same shape and group, as int8_gemm reads each. None where int8_gemm
+    would decline either, or act is not in GLU_ACTS."""
+    if not _takes(x) or act not in GLU_ACTS:
+        return None
+    (gc, gs, gl), (uc, us, ul) = gate, up
+    M, K = x.shape
+    N = gc.shape[0]
+    if (gc.shape != (N, K) or uc.shape != gc.shape or gs.shape != us.shape or K % 32 or N % BLOCK_ROWS
+            or K % gs.shape[1] or K // gs.shape[1] not in INT8_GROUPS or (gl is None) != (ul is None)):
+        return None
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    return _run("int8_gemm_glu", out, x.data_ptr(), x.stride(0), M, K, gc.data_ptr(), gs.data_ptr(),
+                None if gl is None else gl.data_ptr(), uc.data_ptr(), us.data_ptr(),
+                None if ul is None else ul.data_ptr(), K // gs.shape[1], N, GLU_ACTS[act], out.data_ptr(), N)

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from headwise.kernels.codes_gemm import int8_gemm, int8_gemm_takes
+from headwise.kernels.codes_gemm import int4_gemm_glu, int8_gemm, int8_gemm_glu, int8_gemm_takes
+from headwise.kernels.int8_matmul import MAX_ROWS as INT8_MAX_ROWS
 from headwise.kernels.int8_matmul import check_int8_weight, int8_copy, int8_matmul
 from headwise.layers import opaque
 from headwise.layers.int4 import (INT4_DTYPES, Int4Copy, decode_sized, exact_int4, int4_any_rows, int4_cast,
@@ -293,6 +294,21 @@ class Linear(Int4Copy, nn.Module):
                 f"int4={self.int4 is not None}, int8={self.int8_codes is not None}")
 
 
+def int8_glu(gate: Linear, up: Linear, x: torch.Tensor, act: str) -> torch.Tensor | None:
+    """act(gate(x)) * up(x) in one pass over two weights kept as int8 codes only
+    (kernels.codes_gemm.int8_gemm_glu), for calls above kernels.int8_matmul's row count;
+    None elsewhere (the caller runs the two matmuls)."""
+    if not (gate.codes_only and up.codes_only and gate.int4 is None and up.int4 is None
+            and gate.bias is None and up.bias is None and x.dim() >= 2):
+        return None
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] <= INT8_MAX_ROWS:
+        return None
+    y = int8_gemm_glu(x2, (gate.int8_codes, gate.int8_scales, gate.int8_lows),
+                      (up.int8_codes, up.int8_scales, up.int8_lows), act)
+    return None if y is None else y.view(*x.shape[:-1], gate.out_features)
+
+
 class FusedInt4(Int4Copy, nn.Module):
     """Several Linear layers reading the same input (q/k/v, gate/up) as one 4-bit matmul
     for decode-sized calls: one kernel call and one pass over the input instead of several.
@@ -351,3 +367,12 @@ class FusedInt4(Int4Copy, nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # x [M, K] -> [M, sum(sizes)], the parts' outputs side by side
         return self.int4_mm(x)
+
+    def glu(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
+        """act(gate(x)) * up(x) -> [M, I] for a gate/up fusion (two parts of I outputs)
+        kept as codes only, in one pass over the codes (kernels.codes_gemm.int4_gemm_glu),
+        for calls above decode size; None elsewhere (the caller splits forward's output)."""
+        if (not self.codes_only or decode_sized(x) or self.bias is not None or len(self.sizes) != 2
+                or self.sizes[0] != self.sizes[1] or x.dim() != 2):
+            return None
+        return int4_gemm_glu(x, *self.int4, act)

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from headwise.layers.attention import HeadSplitAttention
-from headwise.layers.linear import FusedInt4, Linear, activate
+from headwise.layers.linear import FusedInt4, Linear, activate, int8_glu
 from headwise.layers.norm import RMSNorm
 from headwise.layers.rotary import RotaryEmbedding, rotate
 from headwise.models.config import ModelConfig
@@ -76,11 +76,17 @@ class MLP(nn.Module):
         return self.gate_up_int4
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gate_up_int4 is not None and self.gate_up_int4.applies(x):
-            gate, up = self.gate_up_int4(x).split(self.gate_up_int4.sizes, dim=-1)
-            return self.down_proj(activate(gate, self.act) * up)
-        # The activation and the product run inside the matmuls when packed.
-        return self.down_proj(self.up_proj.times(x, self.gate_proj(x, act=self.act)))
+        fused = self.gate_up_int4
+        if fused is not None and fused.applies(x):
+            h = fused.glu(x, self.act)  # the activation and product inside the matmul: weights kept as codes
+            if h is None:
+                gate, up = fused(x).split(fused.sizes, dim=-1)
+                h = activate(gate, self.act) * up
+            return self.down_proj(h)
+        h = int8_glu(self.gate_proj, self.up_proj, x, self.act)  # the same over int8 codes
+        if h is None:  # the activation and the product run inside the matmuls when packed
+            h = self.up_proj.times(x, self.gate_proj(x, act=self.act))
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):
