@@ -168,8 +168,9 @@ def main(argv=None) -> int:
                                          "llama.cpp-fa,llama.cpp-nofa",
                     help="comma-separated; headwise-select: the shipped layout with select heads; "
                          "llama.cpp-fa / -nofa: flash attention on / off, llama.cpp: the "
-                         "library default; also headwise-codes (4-bit weights kept as codes only: "
-                         "dense_weights=False), headwise-native (a model's native layout) and "
+                         "library default; also headwise-codes / headwise-dense (quantized weights "
+                         "kept as codes only / with prepacked dense copies, whichever the engine's "
+                         "default is here), headwise-native (a model's native layout) and "
                          "headwise@LAYOUT.json")
     ap.add_argument("--out-dir", default="bench")
     ap.add_argument("--ref", default="headwise", help="system the ratio table compares against the others")

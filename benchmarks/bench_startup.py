@@ -7,8 +7,10 @@
   whichever model starts first; a first build is timed on its own, "C kernels built");
 - warm: the same directory again, the prepared weights read from it;
 - llama.cpp: llama-cpp-python's Llama() on the same file, flash attention on;
-- with --codes-only, cold and warm again with dense_weights=False (4-bit weights kept as
-  their codes alone, no prepacked bfloat16 copy: layers/linear.py), in a cache of their own.
+- with --dense-too, cold and warm again with dense_weights=True (prepacked bfloat16 copies
+  of the quantized weights beside their codes, the engine's default until 2026-12-05; by
+  default a CPU engine in bfloat16 keeps the codes alone: config.keeps_dense_weights), in
+  a cache of their own.
 
 Figures: seconds to an engine ready for requests, with the decode step compiling in the
 background (compile_in_background=True; a plain LLM() waits for it); the compile's own
@@ -18,7 +20,7 @@ and over the whole run. Import time is reported apart ("import headwise": torch 
 package).
 
     python benchmarks/bench_startup.py [--models smollm2-135m-instruct,gemma-3-270m,...]
-        [--codes-only] [--out bench/startup.json]
+        [--dense-too] [--out bench/startup.json]
 """
 from __future__ import annotations
 
@@ -53,7 +55,7 @@ t1 = time.perf_counter()
 
 HEADWISE_CHILD = PRELUDE.replace("IMPORT", "from headwise import LLM, SamplingParams") + r"""
 llm = LLM(sys.argv[1], kv_cache_memory=1 << 27, max_num_seqs=1, compile_in_background=True,
-          dense_weights=sys.argv[3] == "dense")
+          dense_weights={"default": None, "dense": True}[sys.argv[3]])
 ready = time.perf_counter() - t1
 rss_ready = hwm()
 out = llm.generate([sys.argv[2]], SamplingParams(max_tokens=8, temperature=0))[0]
@@ -101,8 +103,8 @@ def child(code: str, args: list[str], env: dict) -> dict | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--codes-only", action="store_true",
-                    help="also cold and warm starts with dense_weights=False")
+    ap.add_argument("--dense-too", action="store_true",
+                    help="also cold and warm starts with dense_weights=True")
     ap.add_argument("--out", default="bench/startup.json")
     args = ap.parse_args()
 
@@ -120,12 +122,12 @@ def main() -> None:
         path = str(resolve_model_path(name).resolve())
         size_mib = Path(path).stat().st_size / 2**20
         runs = {}
-        for weights in ["dense", "codes"] if args.codes_only else ["dense"]:
+        for weights in ["default", "dense"] if args.dense_too else ["default"]:
             with tempfile.TemporaryDirectory(prefix="headwise-startup-") as cache:
                 if kernels is not None:
                     shutil.copytree(kernels["dir"], Path(cache) / "kernels")
                 cenv = dict(env, HEADWISE_CACHE_DIR=cache)
-                tag = "" if weights == "dense" else " (codes only)"
+                tag = "" if weights == "default" else ", dense copies"
                 for start in ("cold", "warm"):
                     runs[start + tag] = child(HEADWISE_CHILD, [path, PROMPT, weights], cenv)
         runs["llama.cpp"] = child(LLAMA_CHILD, [path, PROMPT], env)

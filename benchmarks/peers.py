@@ -17,7 +17,7 @@ class Skip(Exception):
 
 class HeadwiseSystem:
     def __init__(self, name: str, model: str | None, layout, max_context: int, dtype: str,
-                 kv_cache_dtype: str = "auto", dense_weights: bool = True) -> None:
+                 kv_cache_dtype: str = "auto", dense_weights: bool | None = None) -> None:
         from headwise import LLM
 
         self.name, self.model, self.layout = name, model, layout
@@ -217,8 +217,10 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
         if lay is None:
             raise Skip("no layout with select heads ships for this model (headwise calibrate --select-from)")
         return HeadwiseSystem(name, model, lay, max_context, dtype)
-    if name == "headwise-codes":  # the engine's default layout, 4-bit weights kept as codes only
+    if name == "headwise-codes":  # the engine's default layout, quantized weights kept as codes only
         return HeadwiseSystem(name, model, layout, max_context, dtype, dense_weights=False)
+    if name == "headwise-dense":  # the same with prepacked dense copies for prefill
+        return HeadwiseSystem(name, model, layout, max_context, dtype, dense_weights=True)
     if name == "headwise-native":
         return HeadwiseSystem(name, model, "native", max_context, dtype)
     if name.startswith("headwise@"):  # headwise@LAYOUT.json: a layout of one's own, named by its file

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import re
 from dataclasses import dataclass, field, fields
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -94,10 +95,12 @@ class EngineConfig:
                                         "decode copies) under the cache directory, so the next start with "
                                         "the same dtype and layout skips loading and preparing (safe to "
                                         "delete: $HEADWISE_CACHE_DIR/prepared)", bool)
-    dense_weights: bool = _opt(True, "keep a prepacked bfloat16 copy of each 4-bit weight beside its codes "
-                               "(prefill multiplies with it; about 3x the codes' bytes); "
-                               "--no-dense-weights: every matmul of a 4-bit weight reads its codes "
-                               "(bfloat16 on the CPU only)", bool)
+    dense_weights: bool | None = _opt(None, "keep a prepacked bfloat16 copy of each quantized weight beside "
+                                      "its codes for prefill (about 3x the 4-bit codes' bytes, and a slower "
+                                      "first start); default: only where the codes cannot serve every "
+                                      "matmul (not the CPU, not bfloat16, no AVX512-BF16); "
+                                      "--no-dense-weights: every matmul reads the codes (bfloat16 on the "
+                                      "CPU only)", bool)
     select_host_pages: bool = _opt(False, "select heads' K/V wait in host memory (pinned on CUDA); the "
                                    "device keeps their key summaries and a hot set of the pages decode "
                                    "chose, and kv_cache_memory budgets the device (torch attention "
@@ -143,8 +146,8 @@ class EngineConfig:
             raise ConfigError(f"select_host_memory must be >= 0, got {self.select_host_memory!r}")
         if (self.select_hot_pages is not None or self.select_host_memory) and not self.select_host_pages:
             raise ConfigError("select_hot_pages / select_host_memory need select_host_pages=True")
-        if not isinstance(self.dense_weights, bool):
-            raise ConfigError(f"dense_weights must be True or False, got {self.dense_weights!r}")
+        if self.dense_weights is not None and not isinstance(self.dense_weights, bool):
+            raise ConfigError(f"dense_weights must be True, False or None, got {self.dense_weights!r}")
         if not isinstance(self.prepared_weights_cache, bool):
             raise ConfigError(f"prepared_weights_cache must be True or False, got {self.prepared_weights_cache!r}")
         if self.enforce_eager is not None and not isinstance(self.enforce_eager, bool):
@@ -162,7 +165,7 @@ class EngineConfig:
             raise ConfigError(f"device must be 'cpu' or 'cuda[:N]', got {self.device!r}")
         if dev.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device!r} requested but PyTorch sees no CUDA device")
-        if not self.dense_weights and dev.type != "cpu":
+        if self.dense_weights is False and dev.type != "cpu":
             raise ConfigError(f"dense_weights=False keeps 4-bit weights as codes for the CPU's int4 kernels; "
                               f"device {self.device!r} keeps the dense weights (leave dense_weights on)")
         if self.kv_cache_dtype == "fp8_e4m3" and dev.type != "cuda":
@@ -210,11 +213,21 @@ class EngineConfig:
             dtype = torch.bfloat16
         else:
             dtype = torch.float32
-        if not self.dense_weights and dtype != torch.bfloat16:
+        if self.dense_weights is False and dtype != torch.bfloat16:
             raise ConfigError(f"dense_weights=False needs bfloat16 compute; dtype {self.dtype!r} resolves to "
                               f"{dtype} here (explicitly, or this CPU lacks AVX512-BF16, or the checkpoint is "
                               "float32)")
         return dtype
+
+    def keeps_dense_weights(self, dtype: torch.dtype, codes_kernels: Callable[[], bool]) -> bool:
+        """Whether quantized weights keep prepacked dense copies: dense_weights where given;
+        by default only where their codes cannot serve every matmul: another device than
+        the CPU, compute in another dtype than bfloat16, or no matmul kernels over codes
+        (codes_kernels(), asked last: kernels.codes_gemm.available). Kept as codes, a model
+        starts several times sooner in a fraction of the memory (docs/benchmarks.md)."""
+        if self.dense_weights is not None:
+            return self.dense_weights
+        return not (self.torch_device.type == "cpu" and dtype == torch.bfloat16 and codes_kernels())
 
     @classmethod
     def from_options(cls, model: str | None, options: dict[str, Any]) -> "EngineConfig":

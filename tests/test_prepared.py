@@ -16,11 +16,16 @@ import torch
 
 from headwise import LLM, SamplingParams
 from headwise.config import ConfigError, EngineConfig
+from headwise.kernels import codes_gemm
 from headwise.weights import prepared as P
 from headwise.weights.loader import resolve_model_path
 from tests.test_decode_capture import PROMPTS, GraphCalls, _mixed, _run
 
-OPTS = dict(kv_cache_memory=1 << 28, max_num_seqs=4, enforce_eager=True)
+# The entries of the dense copies (dense_weights=True); the default keeps a bfloat16 CPU
+# engine's weights as codes alone (test_codes_only_weights_have_their_own_entry...).
+OPTS = dict(kv_cache_memory=1 << 28, max_num_seqs=4, enforce_eager=True, dense_weights=True)
+CODES = dict(OPTS, dense_weights=False)
+DEFAULT = dict(OPTS, dense_weights=None)
 
 
 @pytest.fixture(scope="module")
@@ -183,6 +188,26 @@ def test_flags_are_checked():
             EngineConfig(**{name: "yes"})
 
 
+def test_dense_copies_by_default_only_where_the_codes_cannot_serve():
+    """dense_weights=None (the default): quantized weights keep prepacked dense copies only
+    where their codes cannot serve every matmul (another dtype than bfloat16, no kernels
+    over codes; the kernels are asked last); True and False are kept as given."""
+    asked = []
+
+    def kernels(there: bool):
+        return lambda: asked.append(there) or there
+
+    cfg = EngineConfig()
+    assert cfg.dense_weights is None
+    assert not cfg.keeps_dense_weights(torch.bfloat16, kernels(True))
+    assert cfg.keeps_dense_weights(torch.bfloat16, kernels(False))
+    assert asked == [True, False]
+    assert cfg.keeps_dense_weights(torch.float32, kernels(True))
+    assert EngineConfig(dense_weights=True).keeps_dense_weights(torch.bfloat16, kernels(True))
+    assert not EngineConfig(dense_weights=False).keeps_dense_weights(torch.float32, kernels(False))
+    assert asked == [True, False]  # not asked where the dtype or the option decides
+
+
 def test_tiny_hf_models_are_not_cached(tiny_models, tmp_path, monkeypatch):
     monkeypatch.setenv("HEADWISE_CACHE_DIR", str(tmp_path))
     cache = tmp_path / "prepared"
@@ -195,15 +220,17 @@ def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, 
     """dense_weights=False: the 4-bit weights keep no bfloat16 copy (prefill multiplies with
     their codes), in an entry of its own that reads back to the same tensors and tokens;
     its greedy tokens are those of the dense copies (the weights differ by the rounding of
-    their bfloat16 scales only)."""
+    their bfloat16 scales only). The default engine is this one where the kernels over
+    codes run, the dense one elsewhere."""
     dense = entry[1].engine
     with pytest.raises(ConfigError, match="dense_weights=False"):
-        LLM(None, dense_weights=False, dtype="float32", **OPTS)
+        LLM(None, **dict(CODES, dtype="float32"))
     if dense.dtype != torch.bfloat16:  # a CPU without AVX512-BF16: "auto" is float32 there
         with pytest.raises(ConfigError, match="needs bfloat16"):
-            LLM(None, dense_weights=False, **OPTS)
+            LLM(None, **CODES)
+        assert LLM(None, **DEFAULT).engine.prepared.key == dense.prepared.key
         return
-    first = LLM(None, dense_weights=False, **OPTS)
+    first = LLM(None, **CODES)
     eng = first.engine
     assert eng.prepared.key != dense.prepared.key
     eng.prepared.writer.join()
@@ -217,11 +244,13 @@ def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, 
     assert size["dense.bin"] == 0  # 269 MB with dense copies
     want = _greedy(first)
     with caplog.at_level(logging.INFO, logger="headwise.prepared"):
-        second = LLM(None, dense_weights=False, **OPTS)
+        second = LLM(None, **CODES)
     assert any("read from" in r.message for r in caplog.records)
     a, b = _tensors(eng.model), _tensors(second.engine.model)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _greedy(second) == want
     for (codes, _), (dense_ids, _) in zip(want, entry[2]):
         assert codes[:6] == dense_ids[:6]
+    default = LLM(None, **DEFAULT).engine
+    assert default.prepared.key == (eng.prepared.key if codes_gemm.available() else dense.prepared.key)
     shutil.rmtree(eng.prepared.dir)

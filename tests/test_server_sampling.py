@@ -348,7 +348,12 @@ def test_tool_fields_refused_or_passed_on(server):
 
 
 def test_a_batch_of_prompts_answers_each_as_alone(server):
-    prompts = ["1, 2, 3,", "The capital of France is"]
+    # Each prompt longer than the decode kernels' row counts (layers/int4.py
+    # INT4_MAX_ROWS): alone or side by side, its prefill runs the same matmul, whose rows
+    # are summed alike however many there are (a prompt of a few tokens alone would take
+    # the decode kernel, whose sums differ in the last bits: a sample at temperature 1 can
+    # then differ).
+    prompts = ["1, 2, 3, 4, 5, 6, 7, 8, 9,", "The capital of France, the largest city of the country, is"]
     body = {"prompt": prompts, "max_tokens": 4, "temperature": 1.0, "seed": 7, "n": 2}
     r = _complete(server, **body).json()
     assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]

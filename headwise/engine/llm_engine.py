@@ -21,7 +21,7 @@ from headwise.engine.request_checks import check_length, check_params, check_tok
 from headwise.engine.sequence import Sequence
 from headwise.heads.base import PAGED, head_class
 from headwise.heads.layout import resolve_layout
-from headwise.kernels import cpu_kernels
+from headwise.kernels import codes_gemm, cpu_kernels
 from headwise.layouts import check_native_windows, native_layout, shipped_layout
 from headwise.models.head_order import permute_model_heads
 from headwise.errors import InvalidParameterError
@@ -77,6 +77,7 @@ class LLMEngine:
             mcfg = read_model_config(config.model)
         self.model_config = mcfg
         self.model_name = mcfg.name
+        self.dense_weights = config.keeps_dense_weights(self.dtype, codes_gemm.available)
         shape = (mcfg.num_layers, mcfg.num_kv_heads, mcfg.head_dim)
         native = native_layout(mcfg)
         self.layout = resolve_layout(config.head_layout, shape, mcfg.name,
@@ -89,7 +90,7 @@ class LLMEngine:
         self.prepared: PreparedWeights | None = None
         if loaded:
             permute_model_heads(self.model, self.layout)
-            self.model.prepare_weights(self.dtype, config.dense_weights)  # after the permutation (plain weights)
+            self.model.prepare_weights(self.dtype, self.dense_weights)  # after the permutation (plain weights)
         else:
             # Beside the weights, whose preparation leaves a core idle for much of its time:
             # the tokenizer and, on the CPU, the C kernels (a first build runs the compiler).
@@ -146,7 +147,7 @@ class LLMEngine:
         if config.prepared_weights_cache and config.torch_device.type == "cpu" and path.is_file():
             order = [self.layout.head_order(l) for l in range(mcfg.num_layers)]
             self.prepared = PreparedWeights(cache_dir() / "prepared", path, self.dtype, order,
-                                            config.dense_weights)
+                                            self.dense_weights)
             model = self.prepared.load(mcfg)
             if model is not None:
                 return model
@@ -155,7 +156,7 @@ class LLMEngine:
         # weights stay codes until then (lazy), made dense one at a time in the compute dtype.
         model = load_weights(config.model, torch.float32, config.torch_device, lazy=True)
         permute_model_heads(model, self.layout)
-        model.prepare_weights(self.dtype, config.dense_weights)  # after the permutation (plain weights)
+        model.prepare_weights(self.dtype, self.dense_weights)  # after the permutation (plain weights)
         if self.prepared is not None:
             self.prepared.save_in_background(model)
         return model

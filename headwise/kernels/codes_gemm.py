@@ -22,6 +22,8 @@ dense weight's matmul.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from headwise.kernels.cpu_kernels import gemm_library
@@ -63,6 +65,15 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     if rc == -2:
         raise MemoryError("int4 gemm: out of memory")
     return None if rc else out
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the matmuls over codes run on this machine (a built library with
+    AVX512-BF16, PyTorch's int4 layout the one read here): a model can then keep its
+    quantized weights as codes alone."""
+    return int4_gemm(torch.zeros(1, 32, dtype=torch.bfloat16), torch.zeros(BLOCK_ROWS, 16, dtype=torch.uint8),
+                     torch.zeros(1, BLOCK_ROWS, 2, dtype=torch.bfloat16)) is not None
 
 
 def gemm_amx(on: bool | None = None) -> bool:

@@ -17,9 +17,10 @@ Q5_0) or per 16 (Q6_K, Q3_K), or 5-bit codes times a scale plus a minimum per 32
 Q5_K), keeps those as int8 for calls of at most 4 rows instead (kernels.int8_matmul: about
 half the bytes of bfloat16), chosen inside the packed call.
 Larger calls (prefill, big batches) use the packed dense weight, except in a model
-prepared without dense copies (CausalLM.prepare_weights(dense=False): a 4-bit weight is
-a third of the bytes, an int8 one about 60%), whose larger calls read the codes too
-(kernels.codes_gemm, else PyTorch's int4 kernel). Under torch.compile a packed call, and
+prepared without dense copies (CausalLM.prepare_weights(dense=False), the engine's default
+on a bfloat16 CPU: a 4-bit weight is a third of the bytes, an int8 one about 60%), whose
+larger calls read the codes too (kernels.codes_gemm, else PyTorch's int4 kernel), an
+MLP's gate and up as one gated call (FusedInt4.glu, int8_glu). Under torch.compile a packed call, and
 a call over int8 codes only, is an opaque custom op (headwise::packed_linear): Inductor
 lowers oneDNN's packed matmul only for weights it packed itself.
 
