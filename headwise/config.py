@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import argparse
 import re
-from dataclasses import dataclass, field, fields
 from collections.abc import Callable
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
