@@ -10,20 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from headwise.kernels import cpu_kernels
 import torch.nn.functional as F
 
-from headwise.kernels.codes_gemm import gemm_amx, int4_gemm, int4_gemm_glu, int8_gemm, int8_gemm_glu, int8_gemm_takes
-from headwise.kernels.weight_codes import int4_layout_matches
+from headwise.kernels.codes_gemm import (available, gemm_amx, int4_gemm, int4_gemm_glu, int8_gemm, int8_gemm_glu,
+                                         int8_gemm_takes)
 from headwise.layers.int4 import int4_cast, int4_pack
 from headwise.layers.quant import QuantCodes
 
-pytestmark = pytest.mark.skipif(cpu_kernels.gemm_library() is None or not int4_layout_matches()
-                                or int4_gemm(torch.zeros(1, 32, dtype=torch.bfloat16),
-                                             torch.zeros(64, 16, dtype=torch.uint8),
-                                             torch.zeros(1, 64, 2, dtype=torch.bfloat16)) is None,
-                                reason="no AVX512-BF16 kernel on this machine")
+pytestmark = pytest.mark.skipif(not available(), reason="no AVX512-BF16 kernel on this machine")
 
 
 @pytest.fixture(params=["vector", "amx"], autouse=True)

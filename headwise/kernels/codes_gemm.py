@@ -10,9 +10,10 @@ PyTorch's own int4 kernel is the faster one at a few rows and loses to the packe
 bfloat16 weight from about 16 (layers/linear.py); kernels.int8_matmul takes up to 4 rows.
 These dequantize each weight once per call into a bfloat16 tile and multiply every row
 against it with AVX512-BF16 dot products, or AMX tiles where the CPU has them: int4_gemm
-within 2-15% of the packed weight's time from 8 rows to prefill chunks, from a third of its
-bytes, on a CPU without AMX (benchmarks/bench_codes_gemm.py, docs/benchmarks.md). The engine calls them (layers.linear) for the larger calls of a
-model kept without dense copies (dense_weights=False).
+within 2-15% of the packed weight's time from 8 rows to prefill chunks, from a third of
+its bytes, on a CPU without AMX (benchmarks/bench_codes_gemm.py, docs/benchmarks.md). The
+engine calls them (layers.linear) for the larger calls of a model kept without dense
+copies (the default of a bfloat16 CPU engine).
 
 int4_gemm_glu and int8_gemm_glu compute an MLP's act(gate(x)) * up(x) in the same pass,
 from a fused gate/up 4-bit weight or two int8 ones, rounding once: unfused, the [M, 2 I]
@@ -41,6 +42,33 @@ def _takes(x: torch.Tensor) -> bool:
             and x.dim() == 2 and x.shape[0] > 0 and x.stride(-1) == 1)
 
 
+def _int4_form(codes: torch.Tensor, sz: torch.Tensor, K: int, rows_of: int) -> bool:
+    """codes [N, K / 2] uint8 and sz [K / 32, N, 2] bfloat16, contiguous, in the layout of
+    this PyTorch's int4 kernel, N a multiple of rows_of."""
+    N = codes.shape[0]
+    return (codes.dtype == torch.uint8 and codes.shape == (N, K // 2) and codes.is_contiguous() and K % 32 == 0
+            and N % rows_of == 0 and sz.dtype == torch.bfloat16 and sz.shape == (K // 32, N, 2)
+            and sz.is_contiguous() and int4_layout_matches())
+
+
+def _int8_form(codes: torch.Tensor, scales: torch.Tensor, K: int) -> bool:
+    """codes [N, K], N a multiple of 64, with a scale per 16 or 32 inputs."""
+    return (codes.shape[1] == K and K % 32 == 0 and codes.shape[0] % BLOCK_ROWS == 0
+            and K % scales.shape[1] == 0 and K // scales.shape[1] in INT8_GROUPS)
+
+
+def _run(name: str, out: torch.Tensor, *args) -> torch.Tensor | None:
+    """The library's `name`(*args, threads): out, or None where the kernel declined (or
+    no library was built)."""
+    lib = gemm_library()
+    if lib is None:
+        return None
+    rc = getattr(lib, name)(*args, torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"{name}: out of memory")
+    return None if rc else out
+
+
 def int4_gemm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor | None:
     """x [M, K] bfloat16 (unit inner stride) times the 4-bit weight (codes [N, K / 2]
     uint8, sz [K / 32, N, 2] bfloat16: w = (code - 8) * scale + offset, rounded to
@@ -48,23 +76,13 @@ def int4_gemm(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.T
     does not apply: no compiled library or AVX512-BF16, another dtype or device, N not a
     multiple of 64, a PyTorch build whose packed layout is not the one read here, inside
     a torch.compile trace."""
-    if not _takes(x):
+    if not _takes(x) or not _int4_form(codes, sz, x.shape[1], BLOCK_ROWS):
         return None
     M, K = x.shape
     N = codes.shape[0]
-    if (codes.dtype != torch.uint8 or codes.shape != (N, K // 2) or not codes.is_contiguous() or K % 32
-            or N % BLOCK_ROWS or sz.dtype != torch.bfloat16 or sz.shape != (K // 32, N, 2)
-            or not sz.is_contiguous() or not int4_layout_matches()):
-        return None
-    lib = gemm_library()
-    if lib is None:
-        return None
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    rc = lib.int4_gemm(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), sz.data_ptr(), N, out.data_ptr(), N,
-                       torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("int4 gemm: out of memory")
-    return None if rc else out
+    return _run("int4_gemm", out, x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), sz.data_ptr(), N,
+                out.data_ptr(), N)
 
 
 @functools.cache
@@ -88,8 +106,7 @@ def int8_gemm_takes(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tenso
     """Whether int8_gemm reads this weight (as kernels.int8_matmul.check_int8_weight
     checks it) on this machine: N a multiple of 64, K of 32, and a built kernel."""
     N, K = codes.shape
-    return (N % BLOCK_ROWS == 0 and N > 0 and K % 32 == 0 and K // scales.shape[1] in INT8_GROUPS
-            and codes.device.type == "cpu"
+    return (N > 0 and _int8_form(codes, scales, K) and codes.device.type == "cpu"
             and int8_gemm(torch.zeros(1, K, dtype=torch.bfloat16), codes[:BLOCK_ROWS], scales[:BLOCK_ROWS],
                           None if lows is None else lows[:BLOCK_ROWS]) is not None)
 
@@ -102,48 +119,23 @@ def int8_gemm(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor,
     weight) transposed -> [M, N] bfloat16, accumulated in float32. None where the kernel
     does not apply (as int4_gemm; also a group other than 16 or 32). The weight's form is
     the caller's to have checked (kernels.int8_matmul.check_int8_weight)."""
-    if not _takes(x):
+    if not _takes(x) or not _int8_form(codes, scales, x.shape[1]):
         return None
     M, K = x.shape
     N = codes.shape[0]
-    if (codes.shape[1] != K or K % 32 or N % BLOCK_ROWS or K % scales.shape[1]
-            or K // scales.shape[1] not in INT8_GROUPS):
-        return None
-    lib = gemm_library()
-    if lib is None:
-        return None
     out = torch.empty(M, N, dtype=torch.bfloat16)
-    rc = lib.int8_gemm(x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), scales.data_ptr(),
-                       None if lows is None else lows.data_ptr(), K // scales.shape[1], N, out.data_ptr(), N,
-                       torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError("int8 gemm: out of memory")
-    return None if rc else out
-
-
-def _run(name: str, out: torch.Tensor, *args) -> torch.Tensor | None:
-    """The library's `name`(*args): out, or None where the kernel declined."""
-    lib = gemm_library()
-    if lib is None:
-        return None
-    rc = getattr(lib, name)(*args, torch.get_num_threads())
-    if rc == -2:
-        raise MemoryError(f"{name}: out of memory")
-    return None if rc else out
+    return _run("int8_gemm", out, x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), scales.data_ptr(),
+                None if lows is None else lows.data_ptr(), K // scales.shape[1], N, out.data_ptr(), N)
 
 
 def int4_gemm_glu(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor, act: str) -> torch.Tensor | None:
     """act(x gate^T) * (x up^T) -> [M, I] bfloat16 over a fused 4-bit weight of 2 I rows,
     gate's first (codes, sz as int4_gemm's), each product in float32, rounded once. None
     where int4_gemm would decline, I is not a multiple of 64, or act is not in GLU_ACTS."""
-    if not _takes(x) or act not in GLU_ACTS:
+    if not _takes(x) or act not in GLU_ACTS or not _int4_form(codes, sz, x.shape[1], 2 * BLOCK_ROWS):
         return None
     M, K = x.shape
     N = codes.shape[0]
-    if (codes.dtype != torch.uint8 or codes.shape != (N, K // 2) or not codes.is_contiguous() or K % 32
-            or N % (2 * BLOCK_ROWS) or sz.dtype != torch.bfloat16 or sz.shape != (K // 32, N, 2)
-            or not sz.is_contiguous() or not int4_layout_matches()):
-        return None
     out = torch.empty(M, N // 2, dtype=torch.bfloat16)
     return _run("int4_gemm_glu", out, x.data_ptr(), x.stride(0), M, K, codes.data_ptr(), sz.data_ptr(), N,
                 GLU_ACTS[act], out.data_ptr(), N // 2)
@@ -154,14 +146,12 @@ def int8_gemm_glu(x: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, torch
     """act(x gate^T) * (x up^T) -> [M, N] bfloat16 over two int8 weights (codes, scales,
     lows) of the same shape and group, as int8_gemm reads each. None where int8_gemm
     would decline either, or act is not in GLU_ACTS."""
-    if not _takes(x) or act not in GLU_ACTS:
-        return None
     (gc, gs, gl), (uc, us, ul) = gate, up
+    if (not _takes(x) or act not in GLU_ACTS or not _int8_form(gc, gs, x.shape[1]) or uc.shape != gc.shape
+            or us.shape != gs.shape or (gl is None) != (ul is None)):
+        return None
     M, K = x.shape
     N = gc.shape[0]
-    if (gc.shape != (N, K) or uc.shape != gc.shape or gs.shape != us.shape or K % 32 or N % BLOCK_ROWS
-            or K % gs.shape[1] or K // gs.shape[1] not in INT8_GROUPS or (gl is None) != (ul is None)):
-        return None
     out = torch.empty(M, N, dtype=torch.bfloat16)
     return _run("int8_gemm_glu", out, x.data_ptr(), x.stride(0), M, K, gc.data_ptr(), gs.data_ptr(),
                 None if gl is None else gl.data_ptr(), uc.data_ptr(), us.data_ptr(),

@@ -46,9 +46,9 @@
 #define MT 6    /* rows of x per micro-tile: 6 x 4 accumulators + 4 weight registers */
 #define MCHUNK 480 /* rows of x per task at most (a multiple of MT and of AMX's 16): 120 KiB of accumulators */
 /* With AMX: a 256-input K-tile (32 KiB of scratch, in L1: every 16-row band of x reads
- * the whole tile; 1024 took 1.2-1.5x the time from 512 rows of x on) and runs of 480 rows. */
+ * the whole tile; 1024 took 1.2-1.5x the time from 512 rows of x on). Runs of 960 or 2048
+ * rows instead of MCHUNK measured the same or slower. */
 #define KT_AMX 256
-#define MCHUNK_AMX 480
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN (1 << 20)
 #define PREFETCH 192 /* bytes ahead of an int8 row's codes that tile8 asks for */
@@ -137,12 +137,6 @@ static void amx_micro(const uint16_t *x, int64_t sx, int64_t rows, const uint16_
         _tile_stored(2, a + 32, NB * 4);
         _tile_stored(3, a + 48, NB * 4);
     }
-}
-#else
-int gemm_amx(int want)
-{
-    (void)want;
-    return 0;
 }
 #endif
 
@@ -338,7 +332,7 @@ static inline __m512 activate_ps(__m512 g, int act)
     return _mm512_mul_ps(g, _mm512_sub_ps(one, _mm512_div_ps(one, _mm512_add_ps(e, one))));
 }
 
-/* acc (and acc2) += rows of x (from r0) times K-tiles of block `block` of w, over all of K. */
+/* acc [rows][64] = rows of x times block `block` of w, over all of K, a K-tile at a time. */
 static void block_product(const uint16_t *x, int64_t sx, int64_t rows, const struct weight *w, tile_fn tile,
                           int64_t block, int64_t ktile, int amx, uint16_t *scratch, float *acc, int *configured)
 {
@@ -383,8 +377,8 @@ static int gemm(const uint16_t *x, int64_t sx, int64_t M, const struct weight *w
 #else
     const int amx = 0;
 #endif
-    const int64_t chunk = amx ? MCHUNK_AMX : MCHUNK, ktile = amx ? KT_AMX : KT;
-    int64_t runs = (M + chunk - 1) / chunk;
+    const int64_t ktile = amx ? KT_AMX : KT;
+    int64_t runs = (M + MCHUNK - 1) / MCHUNK;
     if (threads > 1 && (blocks * runs) % threads && M >= 2 * MT * threads)
         runs = (runs + threads - 1) / threads * threads;  /* tasks a multiple of the threads */
     const int64_t unit = amx ? 16 : MT;  /* rows a run is a multiple of: a micro-tile's */
@@ -476,12 +470,6 @@ int int8_gemm_glu(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const int
     return gemm(x, sx, M, &g, tile8, N / NB, &u, 0, act, y, sy, threads);
 }
 #else
-int gemm_amx(int want)
-{
-    (void)want;
-    return 0;
-}
-
 int int4_gemm(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const uint8_t *codes, const uint16_t *sz,
               int64_t N, uint16_t *y, int64_t sy, int threads)
 {
@@ -511,5 +499,13 @@ int int8_gemm_glu(const uint16_t *x, int64_t sx, int64_t M, int64_t K, const int
     (void)x, (void)sx, (void)M, (void)K, (void)gcodes, (void)gscales, (void)glows, (void)ucodes, (void)uscales,
         (void)ulows, (void)group, (void)N, (void)act, (void)y, (void)sy, (void)threads;
     return -1;
+}
+#endif
+
+#ifndef ARCH_REQ_XCOMP_PERM
+int gemm_amx(int want)  /* built without AMX (or without AVX512-BF16): never on */
+{
+    (void)want;
+    return 0;
 }
 #endif

@@ -187,8 +187,8 @@ def matmul_library() -> ctypes.CDLL | None:
 @functools.cache
 def gemm_library() -> ctypes.CDLL | None:
     """The matmuls over 4-bit and int8 codes for any row count (cpu_gemm.c), with AMX
-    where the CPU has it and Linux grants its state, or None. Without contraction: an int8 tile's scale * code + low is rounded twice, as the dense
-    weight's (layers.quant)."""
+    where the CPU has it and Linux grants its state, or None. Without contraction: an
+    int8 tile's scale * code + low is rounded twice, as the dense weight's (layers.quant)."""
     lib = _load("cpu_gemm", ("-ffp-contract=off",))
     if lib is not None:
         lib.int4_gemm.argtypes = [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _ptr, _i64, ctypes.c_int]
