@@ -11,7 +11,8 @@ bfloat16 weight from about 16 (layers/linear.py); kernels.int8_matmul takes up t
 These dequantize each weight once per call into a bfloat16 tile and multiply every row
 against it with AVX512-BF16 dot products, or AMX tiles where the CPU has them: int4_gemm
 within 2-15% of the packed weight's time from 8 rows to prefill chunks, from a third of
-its bytes, on a CPU without AMX (benchmarks/bench_codes_gemm.py, docs/benchmarks.md). The
+its bytes, on a CPU without AMX; with AMX 0.6-0.9x its time from 4 to 64 rows and
+0.6-1.3x at 256-1024 (benchmarks/bench_codes_gemm.py, docs/benchmarks.md). The
 engine calls them (layers.linear) for the larger calls of a model kept without dense
 copies (the default of a bfloat16 CPU engine).
 

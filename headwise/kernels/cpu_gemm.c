@@ -13,8 +13,8 @@
  * layout of AVX512-BF16's dot product (vdpbf16ps: lane i sums elements 2i and 2i + 1),
  * and every row of x is multiplied against it there, 6 rows x 64 outputs (24 float32
  * accumulators) at a time. So the dequantization is paid once per weight per call, and
- * from 8 rows on a call takes 1.02-1.15x the packed weight's time
- * (benchmarks/bench_codes_gemm.py).
+ * from 8 rows on a call takes 1.02-1.15x the packed weight's time on a CPU without AMX
+ * (benchmarks/bench_codes_gemm.py); with AMX, 0.6-0.9x up to 64 rows.
  *
  * int8_gemm does the same over a weight kept as int8 codes with a float32 scale (and a
  * float32 minimum, or none) per 16 or 32 inputs, row-major [N, K] (kernels.int8_matmul's
@@ -52,6 +52,13 @@
 /* Below this many multiply-adds a call runs on one thread. */
 #define PARALLEL_MIN (1 << 20)
 #define PREFETCH 192 /* bytes ahead of an int8 row's codes that tile8 asks for */
+/* Bytes ahead of a 4-bit block's codes that dequant_tile asks for (past the block's end:
+ * the next block's, a thread's next task). Weights larger than the last-level cache's
+ * share stream from memory, and dequantizing does too much work per byte for the
+ * hardware's own prefetch to run far enough ahead: a synthetic 660 MB of codes at 16
+ * rows read 5.0 GB/s (152 ms) without asking, 7.3 GB/s (100 ms) with it (1024-4096
+ * bytes measured the same), near the 7.7 GB/s of codes that fit in cache. */
+#define PREFETCH4 2048
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 #include <immintrin.h>
@@ -152,6 +159,8 @@ static void dequant_tile(const uint8_t *blk, const uint16_t *sz, int64_t N, int6
     const __m128i nibble = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
     for (int64_t kg = 0; kg < kt; kg += 32) {  /* a group: k0 and kt are multiples of 32 */
         const uint16_t *s = sz + ((k0 + kg) / 32) * N * 2;  /* 16 (scale, offset) per row group */
+        for (int line = 0; line < 4; line++)  /* the next group's 256 bytes, N * 4 bytes on */
+            _mm_prefetch((const char *)(s + N * 2) + 64 * line, _MM_HINT_T0);
         __m512 scale[4], offset[4];
         for (int g = 0; g < 4; g++) {
             const __m512i sg = _mm512_loadu_si512(s + g * 32);
@@ -160,6 +169,7 @@ static void dequant_tile(const uint8_t *blk, const uint16_t *sz, int64_t N, int6
         }
         for (int64_t k = kg; k < kg + 32; k += 2) {
             __m512 w[2][4];
+            _mm_prefetch((const char *)(blk + (k0 + k) * 32 + PREFETCH4), _MM_HINT_T0);
             for (int j = 0; j < 2; j++) {
                 const __m256i b = _mm256_loadu_si256((const __m256i *)(blk + (k0 + k + j) * 32));
                 const __m128i lo = _mm256_castsi256_si128(b), hi = _mm256_extracti128_si256(b, 1);
