@@ -129,6 +129,52 @@ def test_policy_captures_4bit_cpu_decode_by_default(tmp_path, tokenizer_dir, tin
     assert abs(out.logprobs[1] - ref.logprobs[1]) < 0.05 or out.token_ids[1] != ref.token_ids[1]
 
 
+@pytest.mark.parametrize("amx", [True, False])
+def test_captured_steps_pick_the_4bit_kernel_by_rows(tmp_path, tokenizer_dir, monkeypatch, amx):
+    """The graph of 2-8 tokens leaves its row count open, so its 4-bit matmuls are an op
+    that picks the kernel per call: with AMX, steps of 5-8 rows multiply through
+    codes_gemm.int4_gemm (faster there than PyTorch's int4 kernel), steps of at most 4
+    through PyTorch's; without AMX every captured step keeps PyTorch's. Tokens as an
+    eager engine's."""
+    from headwise.kernels import codes_gemm
+    from headwise.layers import int4
+
+    if not codes_gemm.available() or (amx and not codes_gemm.gemm_amx()):
+        pytest.skip("no codes_gemm kernel" + (" with AMX" if amx else "") + " on this machine")
+    was = codes_gemm.gemm_amx()
+    codes_gemm.gemm_amx(amx)
+    try:
+        path = _int4_model(tmp_path, tokenizer_dir)
+        opts = dict(head_layout="full", kv_cache_memory=1 << 22, dtype="bfloat16")
+        eager = LLM(path, enforce_eager=True, **opts)
+        llm = LLM(path, **opts)
+        assert llm.engine.runner.forward.enabled
+        # int4_gemm is read when the op runs, never while Dynamo traces (so patching it
+        # recompiles nothing); the prefill's calls (more than 8 rows) are counted too.
+        rows, gemm = [], int4.int4_gemm
+
+        def counted_gemm(x, codes, sz):
+            y = gemm(x, codes, sz)
+            if y is not None:
+                rows.append(x.shape[0])
+            return y
+
+        monkeypatch.setattr(int4, "int4_gemm", counted_gemm)
+        calls = GraphCalls(llm)
+        for n in (6, 3):
+            prompts = [f"{i} " + PROMPTS[i % 3] for i in range(n)]
+            want = _run(eager, prompts, n=6)
+            rows.clear()
+            calls.sizes.clear()
+            got = _run(llm, prompts, n=6)
+            assert calls.sizes == [n] * 5  # every step after the prefill ran the graph
+            assert (n in rows) == (amx and n > int4.INT4_MAX_ROWS_AMX)
+            for a, b in zip(want, got):
+                assert a.token_ids[:2] == b.token_ids[:2]
+    finally:
+        codes_gemm.gemm_amx(was)
+
+
 def test_compile_failure_falls_back_to_eager(tiny_models, monkeypatch, caplog):
     def broken(fn, **kwargs):
         def run(*args):

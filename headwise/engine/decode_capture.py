@@ -21,11 +21,12 @@ Policy, EngineConfig.enforce_eager:
 On CUDA the step is also replayed from CUDA graphs (engine.cuda_graphs) unless True; with
 False the graphs capture the compiled body.
 Compilation happens at start (warm-up with dry steps of 1 and 2 tokens; the second compile
-covers 2-8 tokens with a dynamic size), not in a request's latency; its seconds are logged
+covers 2-8 tokens with a dynamic size; on a CPU with AMX a 4-bit model's 2-8 graph is
+split at 5 tokens, a third dry step, see warmup_tokens), not in a request's latency; its seconds are logged
 and kept in `compile_s`. Where it fails (no C++ compiler, an op Inductor cannot handle) the
 engine runs eagerly, with one log line. With EngineConfig.compile_in_background the
 engine does not wait for it: a thread compiles while steps run eagerly, and the compiled
-graph takes over once both sizes are ready (the CPU only: CUDA graphs capture the
+graph takes over once every size is ready (the CPU only: CUDA graphs capture the
 compiled body at start). Code that branches on being traced asks
 torch.compiler.is_dynamo_compiling(), which Dynamo answers in the trace only:
 is_compiling() reads a process-wide flag, so eager steps on the engine's thread would
@@ -44,14 +45,14 @@ import torch
 from headwise.layers import opaque
 from headwise.layers.attention import HeadSplitAttention
 from headwise.layers.context import StepContext, step_context
-from headwise.layers.int4 import INT4_MAX_ROWS, Int4Copy
+from headwise.layers.int4 import INT4_MAX_ROWS, Int4Copy, torch_int4_rows
 from headwise.layers.linear import Linear
 from headwise.models.causal_lm import CausalLM
 
 log = logging.getLogger("headwise.capture")
 
 CAPTURE_MAX_TOKENS = INT4_MAX_ROWS  # steps up to this many tokens run the captured graph
-WARMUP_TOKENS = (1, 2)  # compiled at start: 1, then 2-8 (dynamic size)
+WARMUP_TOKENS = (1, 2)  # compiled at start: 1, then 2-8 (dynamic size); see warmup_tokens
 _COPIES = itertools.count()
 OPTIONS = {"cpp_wrapper": True,
            "guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
@@ -68,6 +69,15 @@ def warn_eager(logger: logging.Logger, what: str, e: Exception) -> None:
 def reads_int4(model: CausalLM) -> bool:
     """Whether decode-sized calls of `model` read 4-bit weights (see layers.linear)."""
     return any(isinstance(m, Int4Copy) and m.int4 is not None for m in model.modules())
+
+
+def warmup_tokens(model: CausalLM, device: torch.device) -> tuple[int, ...]:
+    """The step sizes compiled at start: WARMUP_TOKENS, and one past torch_int4_rows()
+    where that is within the graphs' sizes (a CPU with AMX: 5), whose 4-bit matmuls leave
+    PyTorch's int4 kernel for kernels.codes_gemm (layers.int4.Int4Copy.int4_mm): that
+    graph would otherwise compile in the first such step's latency."""
+    split = torch_int4_rows() + 1 if device.type == "cpu" and reads_int4(model) else CAPTURE_MAX_TOKENS + 1
+    return WARMUP_TOKENS + ((split,) if split <= CAPTURE_MAX_TOKENS else ())
 
 
 def _body(model: CausalLM, input_ids: torch.Tensor, tables: dict) -> torch.Tensor:
@@ -148,7 +158,7 @@ class DecodeCapture:
             self.enabled = False
             warn_eager(log, "decode capture unavailable, running eagerly", e)
             return
-        for n in WARMUP_TOKENS:
+        for n in warmup_tokens(self.model, self.device):
             # Made as the model runner makes its inputs (outside inference mode), so the
             # graph's guards accept the real steps.
             ids = torch.zeros(n, dtype=torch.int64, device=self.device)

@@ -95,12 +95,22 @@ def available() -> bool:
                      torch.zeros(1, BLOCK_ROWS, 2, dtype=torch.bfloat16)) is not None
 
 
+_AMX: list[bool] = []  # gemm_amx's last answer, so that traced code asks no library
+
+
 def gemm_amx(on: bool | None = None) -> bool:
     """Whether int4_gemm and int8_gemm multiply with AMX tiles (on a CPU that has them,
     once Linux grants the tile state); on=False turns AMX off for this process, True back
     on where it can be (benchmarks and tests compare the two)."""
     lib = gemm_library()
-    return lib is not None and bool(lib.gemm_amx(-1 if on is None else int(on)))
+    _AMX[:] = [lib is not None and bool(lib.gemm_amx(-1 if on is None else int(on)))]
+    return _AMX[0]
+
+
+def amx_multiplies() -> bool:
+    """gemm_amx()'s answer without calling the library after the first time (a
+    torch.compile trace reads it: a library call there would break the graph)."""
+    return _AMX[0] if _AMX else gemm_amx()
 
 
 def int8_gemm_takes(codes: torch.Tensor, scales: torch.Tensor, lows: torch.Tensor | None) -> bool:

@@ -13,12 +13,17 @@ import torch
 from torch import nn
 
 from headwise.kernels import weight_codes
-from headwise.kernels.codes_gemm import int4_gemm
+from headwise.kernels.codes_gemm import amx_multiplies, int4_gemm
 from headwise.kernels.int8_matmul import AFFINE_GROUP, exact_affine
 from headwise.layers.quant import QuantCodes
 
 INT4_GROUP = AFFINE_GROUP  # inputs per scale/offset group (GGUF Q4_0/Q4_1 blocks, Q4_K sub-blocks)
-INT4_MAX_ROWS = 8   # calls with at most this many rows use PyTorch's int4 kernel
+INT4_MAX_ROWS = 8   # calls with at most this many rows use PyTorch's int4 kernel (decode)
+# ... at most this many where kernels.codes_gemm multiplies with AMX: its int4_gemm takes
+# 0.6-0.7x the time of PyTorch's kernel at 8 rows (bench_codes_gemm.py: Qwen2.5-Coder-1.5B
+# 78 vs 126 ms a pass, SmolLM2 9.3 vs 13.5), 1.1-1.3x at 4; with dot products alone it is
+# 1.2x slower at 8.
+INT4_MAX_ROWS_AMX = 4
 # Activation dtypes the 4-bit copy is kept for. With float32 activations PyTorch's int4
 # CPU kernel is about 10x slower than the packed float32 weight (bench_linear.py --dtype
 # float32: 288 vs 22 ms per pass over SmolLM2's projections at one row, 2026-12-01).
@@ -61,6 +66,12 @@ def int4_cast(int4: tuple[torch.Tensor, torch.Tensor], dtype: torch.dtype) -> tu
     return (int4[0], int4[1].to(dtype)) if dtype in INT4_DTYPES else None
 
 
+def torch_int4_rows() -> int:
+    """Rows up to which PyTorch's int4 kernel serves a call over a 4-bit copy (above,
+    kernels.codes_gemm where it takes the call)."""
+    return INT4_MAX_ROWS_AMX if amx_multiplies() else INT4_MAX_ROWS
+
+
 def decode_sized(x: torch.Tensor) -> bool:
     """A call small enough for the 4-bit weight (decode)."""
     return x.dim() == 2 and x.shape[0] <= INT4_MAX_ROWS
@@ -75,14 +86,30 @@ def int4_matmul(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> tor
 
 def int4_any_rows(x: torch.Tensor, int4: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     """x [M, K] -> [M, N] over a 4-bit copy, whatever M: PyTorch's int4 kernel for
-    decode-sized calls (the faster one there), kernels.codes_gemm above (2.3-2.5x faster
-    than PyTorch's from 16 rows: it dequantizes each weight block once per call, not per 4
-    rows), PyTorch's kernel where that declines (no AVX512-BF16, a torch.compile trace)."""
-    if not decode_sized(x):
+    decode-sized calls (the faster one there: up to INT4_MAX_ROWS rows, INT4_MAX_ROWS_AMX
+    where codes_gemm has AMX), kernels.codes_gemm above (2.3-2.5x faster than PyTorch's
+    from 16 rows: it dequantizes each weight block once per call, not per 4 rows),
+    PyTorch's kernel where that declines (no AVX512-BF16, a torch.compile trace)."""
+    if x.shape[0] > torch_int4_rows():
         y = int4_gemm(x, *int4)
         if y is not None:
             return y
     return int4_matmul(x, int4)
+
+
+@torch.library.custom_op("headwise::int4_any_rows", mutates_args=())
+def int4_any_rows_op(x: torch.Tensor, codes: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
+    """int4_any_rows as an opaque op of a compiled graph (engine.decode_capture), for the
+    graph of steps above torch_int4_rows() (5-8 tokens with AMX): traced, the graph would
+    hold PyTorch's int4 kernel, which Python's ctypes call to codes_gemm cannot join. An
+    op costs a Python call per matmul (batch-1 decode of SmolLM2 5% slower when every
+    graph used it), so smaller steps keep the traced kernel."""
+    return int4_any_rows(x, (codes, sz))
+
+
+@int4_any_rows_op.register_fake
+def _(x, codes, sz):
+    return x.new_empty(x.shape[0], codes.shape[0])
 
 
 class Int4Copy:
@@ -105,6 +132,12 @@ class Int4Copy:
 
     def int4_mm(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] through the 4-bit copy (plus the module's bias) -> [..., N]."""
-        y = int4_any_rows(x.reshape(-1, x.shape[-1]), self.int4)
+        x2 = x.reshape(-1, x.shape[-1])
+        # Traced, the comparison guards the graph on the row count: steps of 2-4 tokens
+        # and of 5-8 get graphs of their own (decode_capture.warmup_tokens).
+        if torch.compiler.is_dynamo_compiling() and x2.shape[0] > torch_int4_rows():
+            y = int4_any_rows_op(x2, *self.int4)
+        else:
+            y = int4_any_rows(x2, self.int4)
         y = y.view(*x.shape[:-1], y.shape[-1])
         return y if self.bias is None else y + self.bias
