@@ -3,9 +3,10 @@ that) packed for PyTorch's int4 CPU matmul, and the matmuls that read it.
 
 Decode at small batch reads every weight once per step, so it is bound by memory
 bandwidth; the 4-bit copy is a quarter of a bfloat16 weight's bytes. PyTorch's int4
-kernel serves calls of up to INT4_MAX_ROWS rows (it dequantizes again for every 4 rows,
-so it loses to the packed bfloat16 weight from about 16); kernels.codes_gemm serves larger
-ones in a model kept without dense copies. Used by layers.linear (Linear, FusedInt4).
+kernel serves calls of up to INT4_MAX_ROWS rows (INT4_MAX_ROWS_AMX where codes_gemm has
+AMX; it dequantizes again for every 4 rows, so it loses to the packed bfloat16 weight from
+about 16); kernels.codes_gemm serves larger ones (in a model kept without dense copies;
+5-8 rows with AMX in either). Used by layers.linear (Linear, FusedInt4).
 """
 from __future__ import annotations
 
