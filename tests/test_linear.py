@@ -3,7 +3,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from headwise.layers.int4 import INT4_MAX_ROWS
+from headwise.layers.int4 import INT4_MAX_ROWS, torch_int4_rows
 from headwise.layers.linear import Linear, activate, can_pack
 
 
@@ -350,7 +350,10 @@ def test_gate_and_up_kept_as_codes_only_run_as_one_gated_product(act, monkeypatc
         pytest.skip("no AVX512-BF16 gated product on this machine")
     assert one.shape == (x.shape[0], 128)
     assert (one.float() - apart).abs().max().item() < 0.02 * apart.abs().max().item()
-    assert fused.glu(x[:INT4_MAX_ROWS], act) is None  # decode size: the fused int4 kernel, apart
+    # decode size (PyTorch's int4 kernel, up to torch_int4_rows(): 4 with AMX, else 8): apart
+    assert fused.glu(x[:torch_int4_rows()], act) is None
+    if torch_int4_rows() < INT4_MAX_ROWS:  # 5-8 rows with AMX: codes_gemm's, as one gated call
+        assert fused.glu(x[:INT4_MAX_ROWS], act) is not None
     gate8, _, _ = _int8_codes_only(16, False, False)
     up8, _, _ = _int8_codes_only(32, True, False)
     y = torch.randn(9, 96).to(torch.bfloat16)

@@ -76,8 +76,9 @@ def warmup_tokens(model: CausalLM, device: torch.device) -> tuple[int, ...]:
     where that is within the graphs' sizes (a CPU with AMX: 5), whose 4-bit matmuls leave
     PyTorch's int4 kernel for kernels.codes_gemm (layers.int4.Int4Copy.int4_mm): that
     graph would otherwise compile in the first such step's latency."""
-    split = torch_int4_rows() + 1 if device.type == "cpu" and reads_int4(model) else CAPTURE_MAX_TOKENS + 1
-    return WARMUP_TOKENS + ((split,) if split <= CAPTURE_MAX_TOKENS else ())
+    if device.type == "cpu" and reads_int4(model) and torch_int4_rows() < CAPTURE_MAX_TOKENS:
+        return WARMUP_TOKENS + (torch_int4_rows() + 1,)
+    return WARMUP_TOKENS
 
 
 def _body(model: CausalLM, input_ids: torch.Tensor, tables: dict) -> torch.Tensor:

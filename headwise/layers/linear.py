@@ -42,7 +42,7 @@ from headwise.kernels.int8_matmul import MAX_ROWS as INT8_MAX_ROWS
 from headwise.kernels.int8_matmul import check_int8_weight, int8_copy, int8_matmul
 from headwise.layers import opaque
 from headwise.layers.int4 import (INT4_DTYPES, Int4Copy, decode_sized, exact_int4, int4_any_rows, int4_cast,
-                                  int4_codes, int4_pack)
+                                  int4_codes, int4_pack, torch_int4_rows)
 from headwise.layers.quant import QuantCodes
 
 # Row count the packed layout is tuned for. Prefill dominates the cost of a long prompt;
@@ -372,8 +372,9 @@ class FusedInt4(Int4Copy, nn.Module):
     def glu(self, x: torch.Tensor, act: str) -> torch.Tensor | None:
         """act(gate(x)) * up(x) -> [M, I] for a gate/up fusion (two parts of I outputs)
         kept as codes only, in one pass over the codes (kernels.codes_gemm.int4_gemm_glu),
-        for calls above decode size; None elsewhere (the caller splits forward's output)."""
-        if (not self.codes_only or decode_sized(x) or self.bias is not None or len(self.sizes) != 2
-                or self.sizes[0] != self.sizes[1] or x.dim() != 2):
+        for the calls int4_any_rows gives to codes_gemm (above torch_int4_rows()); None
+        elsewhere (the caller splits forward's output)."""
+        if (not self.codes_only or x.dim() != 2 or x.shape[0] <= torch_int4_rows() or self.bias is not None
+                or len(self.sizes) != 2 or self.sizes[0] != self.sizes[1]):
             return None
         return int4_gemm_glu(x, *self.int4, act)
