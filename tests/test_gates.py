@@ -4,6 +4,7 @@ training is deterministic for a seed."""
 import pytest
 import torch
 
+from headwise.calibration.calibrate import gate_dtype
 from headwise.calibration.gates import GateSample, train_gates, window_mask
 from headwise.models.causal_lm import CausalLM
 from headwise.models.config import ModelConfig
@@ -83,6 +84,24 @@ def test_gates_rank_the_planted_head_first_and_the_loss_falls():
     assert sum(r.losses[-5:]) / 5 < 0.5 * sum(r.losses[:5]) / 5
     # the model's own attention is back in place
     assert all(type(l.self_attn.attn).__name__ == "HeadSplitAttention" for l in m.model.layers)
+
+
+def test_gates_train_over_bfloat16_weights():
+    # `headwise calibrate --dtype bfloat16`: the same planted head ranks first and the loss,
+    # taken in float32, falls; the gates stay float32.
+    m = planted_model().to(torch.bfloat16)
+    cand = torch.ones(2, 2, dtype=torch.bool)
+    r = train_gates(m, samples(), cand, {}, SINK, WINDOW, steps=40, lr=0.05, l1=0.05, seed=0)
+    assert r.gates.dtype == torch.float32
+    assert divmod(int(r.ranking.flatten().argmax()), 2) == PLANTED
+    assert sum(r.losses[-5:]) / 5 < 0.5 * sum(r.losses[:5]) / 5
+
+
+def test_gate_dtype_is_float32_unless_bfloat16_is_asked():
+    assert gate_dtype("auto") == gate_dtype("float32") == torch.float32
+    assert gate_dtype("bfloat16") == torch.bfloat16
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        gate_dtype("float16")
 
 
 def test_gate_training_is_deterministic_for_a_seed():

@@ -167,6 +167,17 @@ def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEF
                   _top(scores, k, candidate), sink, window, scored.scores)
 
 
+def gate_dtype(name: str) -> torch.dtype:
+    """The weights' dtype while gates train, from the engine's --dtype: auto is float32
+    (every shipped layout's gates were trained so); bfloat16 is about 2.5x faster on a CPU
+    with bfloat16 matmuls."""
+    if name in ("auto", "float32"):
+        return torch.float32
+    if name == "bfloat16":
+        return torch.bfloat16
+    raise ValueError(f"gate training runs in float32 or bfloat16 (--dtype auto, float32 or bfloat16), got {name!r}")
+
+
 def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int = DEFAULT_SINK,
               window: int = DEFAULT_WINDOW, seed: int = 0, num_samples: int = 24,
               lengths: tuple[int, ...] | None = None, rounds: int = 2,
@@ -179,6 +190,8 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     (calibration.samples). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
     training of "gates" (calibration.gates). Deterministic for a seed."""
     _check(full_fraction, sink, window, method)
+    # The gates' weight dtype, checked before any model loads.
+    weights_dtype = gate_dtype((engine_options or {}).get("dtype", "auto")) if method == "gates" else None
     lengths = tuple(lengths or DEFAULT_LENGTHS[method])
     torch.manual_seed(seed)
     mcfg = read_model_config(model)
@@ -190,7 +203,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     if method == "gates":
         if (engine_options or {}).get("num_threads"):
             torch.set_num_threads(engine_options["num_threads"])
-        net, tokenizer = load_model(model, torch.float32)
+        net, tokenizer = load_model(model, weights_dtype)
         samples = make_samples(tokenizer, num_samples, lengths, seed, kinds)
         bar = tqdm(total=steps, desc="training gates", unit="step", disable=not progress)
         fixed = {l: (0, mcfg.sliding_window) for l in mcfg.sliding_layers}

@@ -13,9 +13,12 @@ by how hard the distillation still pulls them open: the mean of max(0, -d loss /
 over the second half, the first-order loss saved per unit of opening, which the L1 pull
 outweighs (GateResult.ranking). So a layout of any full fraction comes from one training.
 
-The model is the engine's own code (models/), loaded in float32 without the inference
-packing, so every op it runs has a gradient; only the gates are trained. Layers are
-recomputed in the backward pass (activation checkpointing) to bound memory.
+The model is the engine's own code (models/), loaded without the inference packing, so
+every op it runs has a gradient; only the gates (float32) are trained. Its weights are
+float32 by default (what every shipped layout was trained in) or bfloat16 (`headwise
+calibrate --dtype bfloat16`: the matmuls run on AMX or AVX512-BF16 where the CPU has them,
+about 2.5x faster here); the loss is taken in float32 either way. Layers are recomputed in
+the backward pass (activation checkpointing) to bound memory.
 Deterministic for a seed on one machine: fixed sample order, fixed initialisation.
 """
 from __future__ import annotations
@@ -87,30 +90,32 @@ class GatedAttention(nn.Module):
         return self.masks[key]
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]
+        # q [T, Hq, D]; k, v [T, Hkv, D] -> [T, Hq, D]. Attention runs on [1, Hq, T, D]:
+        # PyTorch's fused CPU kernel (forward and backward) takes only 4-D inputs; 3-D ones
+        # fall back to the math path, which keeps [Hq, T, T] scores per call (3-5x slower).
         T, Hq, D = q.shape
         g = self.group
-        qq = q.transpose(0, 1)                                   # [Hq, T, D]
-        kk = k.repeat_interleave(g, dim=1).transpose(0, 1)
-        vv = v.repeat_interleave(g, dim=1).transpose(0, 1)
+        qq = q.transpose(0, 1)[None]                                   # [1, Hq, T, D]
+        kk = k.repeat_interleave(g, dim=1).transpose(0, 1)[None]
+        vv = v.repeat_interleave(g, dim=1).transpose(0, 1)[None]
         if all(w is not None for w in self.windows) and len(set(self.windows)) == 1:  # a sliding layer
             out = F.scaled_dot_product_attention(qq, kk, vv, attn_mask=self._mask(T, *self.windows[0]),
                                                  scale=self.scale)
-            return out.transpose(0, 1)
-        full = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale)
+            return out[0].transpose(0, 1)
+        full = F.scaled_dot_product_attention(qq, kk, vv, is_causal=True, scale=self.scale)[0]
         # Queries before sink + window see all their keys either way: the window output
         # differs from the full one only after r0.
         r0 = min(T, self.sink + self.window)
-        win = F.scaled_dot_product_attention(qq[:, r0:], kk, vv, scale=self.scale,
-                                             attn_mask=self._mask(T, self.sink, self.window)[r0:])
-        a = torch.where(self.candidate, self.gates[self.layer].clamp(0, 1), 1.0)  # [Hkv]
+        win = F.scaled_dot_product_attention(qq[:, :, r0:], kk, vv, scale=self.scale,
+                                             attn_mask=self._mask(T, self.sink, self.window)[r0:])[0]
+        a = torch.where(self.candidate, self.gates[self.layer].clamp(0, 1), 1.0).to(q.dtype)  # [Hkv]
         tail = a.repeat_interleave(g)[:, None, None] * (full[:, r0:] - win) + win
         out = torch.cat((full[:, :r0], tail), dim=1)
         for h, w in enumerate(self.windows):  # heads the model itself windows
             if w is not None:
                 s = slice(h * g, (h + 1) * g)
-                out[s] = F.scaled_dot_product_attention(qq[s], kk[s], vv[s], attn_mask=self._mask(T, *w),
-                                                        scale=self.scale)
+                out[s] = F.scaled_dot_product_attention(qq[:, s], kk[:, s], vv[:, s], attn_mask=self._mask(T, *w),
+                                                        scale=self.scale)[0]
         return out.transpose(0, 1)
 
 
@@ -149,8 +154,8 @@ def train_gates(model: CausalLM, samples: list[GateSample], candidate: torch.Ten
                 fixed_windows: dict[int, tuple[int, int]], sink: int, window: int, steps: int,
                 lr: float = 0.05, l1: float = 0.05, seed: int = 0, init: float = 0.5,
                 progress=None) -> GateResult:
-    """Train one gate per candidate KV head of `model` (float32, unpacked: loaded by
-    weights.loader.load_model) on `samples`; candidate [L, Hkv] bool; fixed_windows:
+    """Train one gate per candidate KV head of `model` (float32 or bfloat16, unpacked:
+    loaded by weights.loader.load_model) on `samples`; candidate [L, Hkv] bool; fixed_windows:
     layer -> (sink, window) for layers the model itself windows (their heads are not
     candidates). Gates start at `init` (halfway: each moves up if the answers need the head
     more than the pull toward window). The model's attention modules are restored
@@ -168,7 +173,7 @@ def train_gates(model: CausalLM, samples: list[GateSample], candidate: torch.Ten
         data = [(torch.tensor(s.ids), torch.tensor(s.answer_rows)) for s in samples]
         with torch.no_grad():  # the full model's states: every gate open
             gates.fill_(1.0)
-            targets = [hidden_states(model, ids, rows, False) for ids, rows in data]
+            targets = [hidden_states(model, ids, rows, False).float() for ids, rows in data]
             gates.fill_(float(init))
         order = list(range(len(data)))
         random.Random(seed).shuffle(order)
@@ -178,7 +183,7 @@ def train_gates(model: CausalLM, samples: list[GateSample], candidate: torch.Ten
         for step in range(steps):
             i = order[step % len(order)]
             ids, rows = data[i]
-            h = hidden_states(model, ids, rows, True)
+            h = hidden_states(model, ids, rows, True).float()
             t = targets[i]
             distill = (h - t).pow(2).mean() / t.pow(2).mean()
             penalty = (gates.clamp(0, 1) * candidate).sum() / n_cand
