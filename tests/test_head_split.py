@@ -377,3 +377,21 @@ def test_later_prefill_chunk_equals_masked_attention(n, g, c, start, D):
         got = _later_chunk(q.to(dt), k.to(dt), v.to(dt), kp.to(dt), vp.to(dt), 0.1)
         assert got.shape == q.shape and got.dtype == dt
         assert (got.double() - ref).abs().max().item() < tol
+
+
+# (layers, KV heads, head dim) of the models the shipped layout files name, from their
+# model cards; a file made for another model, or damaged, fails here before a user loads it.
+MODEL_SHAPES = {"SmolLM2-135M-Instruct": (30, 3, 64), "gemma-3-270m": (18, 1, 256),
+                "Qwen2.5-Coder-0.5B-Instruct": (24, 2, 64), "Qwen2.5-Coder-1.5B-Instruct": (28, 2, 128)}
+
+
+def test_every_layout_file_shipped_loads_with_its_models_shape():
+    from headwise.layouts import _DIR
+
+    files = sorted(_DIR.glob("*.json"))
+    assert len(files) >= 20
+    for f in files:
+        layout = HeadLayout.load(f)
+        assert layout.shape == MODEL_SHAPES[layout.model], f.name
+        model = layout.model.lower().removesuffix("-instruct")
+        assert f.name.startswith(model), f.name
