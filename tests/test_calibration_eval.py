@@ -27,12 +27,12 @@ def test_calibration_is_deterministic_and_well_shaped(tiny_models, tmp_path):
     assert json.loads(f.read_text())["model"] == "llama"
 
 
-@pytest.mark.parametrize("method", ["gates", "mass"])
-def test_every_method_is_deterministic_and_keeps_the_fraction(tiny_models, method):
+@pytest.mark.parametrize("method, dtype", [("gates", "auto"), ("gates", "bfloat16"), ("mass", "auto")])
+def test_every_method_is_deterministic_and_keeps_the_fraction(tiny_models, method, dtype):
     from headwise.calibration import calibrate
 
     kw = dict(full_fraction=0.5, sink=4, window=16, num_samples=3, lengths=(96, 128), progress=False,
-              method=method, steps=4)
+              method=method, steps=4, engine_options={"dtype": dtype})
     a = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
     b = calibrate(str(tiny_models["qwen2"]), seed=1, **kw)
     assert a.heads == b.heads and a.scores == b.scores
