@@ -169,8 +169,8 @@ def select_from_scores(scored: HeadLayout, full_fraction: float, sink: int = DEF
 
 def gate_dtype(name: str) -> torch.dtype:
     """The weights' dtype while gates train, from the engine's --dtype: auto is float32
-    (every shipped layout's gates but Qwen 1.5B's were trained so); bfloat16 is 1.7-2.6x
-    faster on a CPU with bfloat16 matmuls."""
+    (every shipped layout's gates but Qwen 1.5B's were trained so); bfloat16 is faster on a
+    CPU with bfloat16 matmuls (docs/quality.md, "Gate training time")."""
     if name in ("auto", "float32"):
         return torch.float32
     if name == "bfloat16":
@@ -190,8 +190,9 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     (calibration.samples). rounds: re-scoring rounds of "ablation"; steps, lr, l1: the gate
     training of "gates" (calibration.gates). Deterministic for a seed."""
     _check(full_fraction, sink, window, method)
+    engine_options = engine_options or {}
     # The gates' weight dtype, checked before any model loads.
-    weights_dtype = gate_dtype((engine_options or {}).get("dtype", "auto")) if method == "gates" else None
+    weights_dtype = gate_dtype(engine_options.get("dtype", "auto")) if method == "gates" else None
     lengths = tuple(lengths or DEFAULT_LENGTHS[method])
     torch.manual_seed(seed)
     mcfg = read_model_config(model)
@@ -201,7 +202,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
     k = round(full_fraction * int(candidate.sum()))
     name = f"calibrated-{method}-{full_fraction:g}"
     if method == "gates":
-        if (engine_options or {}).get("num_threads"):
+        if engine_options.get("num_threads"):
             torch.set_num_threads(engine_options["num_threads"])
         net, tokenizer = load_model(model, weights_dtype)
         samples = make_samples(tokenizer, num_samples, lengths, seed, kinds)
@@ -211,7 +212,7 @@ def calibrate(model: str | None = None, full_fraction: float = 0.25, sink: int =
                              sink, window, steps, lr, l1, seed, progress=bar)
         scores = result.ranking
     else:
-        opts = dict(engine_options or {})
+        opts = dict(engine_options)
         opts["max_num_batched_tokens"] = max(opts.get("max_num_batched_tokens", 0), max(lengths) + 64)
         llm = LLM(model, head_layout=base, **opts)
         samples = make_samples(llm.tokenizer, num_samples, lengths, seed, kinds)

@@ -16,10 +16,10 @@ outweighs (GateResult.ranking). So a layout of any full fraction comes from one 
 The model is the engine's own code (models/), loaded without the inference packing, so
 every op it runs has a gradient; only the gates (float32) are trained. Its weights are
 float32 by default (as every shipped layout's but Qwen 1.5B's were) or bfloat16 (`headwise
-calibrate --dtype bfloat16`: the matmuls run on AMX or AVX512-BF16 where the CPU has them,
-1.7x (SmolLM2) to 2.6x (Qwen 0.5B) faster on an AMX Xeon); the loss is taken in float32
-either way. Layers are recomputed in the backward pass (activation checkpointing) to bound
-memory. Deterministic for a seed on one machine: fixed sample order, fixed initialisation.
+calibrate --dtype bfloat16`: the matmuls run on AMX or AVX512-BF16 where the CPU has them;
+times in docs/quality.md, "Gate training time"); the loss is taken in float32 either way.
+Layers are recomputed in the backward pass (activation checkpointing) to bound memory.
+Deterministic for a seed on one machine: fixed sample order, fixed initialisation.
 """
 from __future__ import annotations
 
