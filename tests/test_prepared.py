@@ -35,6 +35,9 @@ def entry(tmp_path_factory):
     root = tmp_path_factory.mktemp("cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HEADWISE_CACHE_DIR", str(root))
+        # Written whatever this machine's disk has free (test_a_full_disk_... covers the margin).
+        mp.setattr(P, "MIN_FREE_BYTES", 0)
+        mp.setattr(P, "MIN_FREE_FRACTION", 0.0)
         first = LLM(None, **OPTS)
         assert first.engine.prepared is not None and first.engine.prepared.writer is not None
         first.engine.prepared.writer.join()
@@ -160,6 +163,43 @@ def test_eviction_keeps_the_bound_and_the_newest(tmp_path):
     P._sweep(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([
         ".tmp-writing", f".tmp-{'b' * 32}-{socket.gethostname()}-{os.getpid()}-0123abcd", "mid", "new"])
+
+
+def _entries(root, sizes: dict[str, int]) -> None:
+    """Entries named by `sizes` (bytes of kept.bin), the first the least recently used."""
+    for i, (name, size) in enumerate(sizes.items()):
+        d = root / name
+        d.mkdir()
+        (d / "kept.bin").write_bytes(b"x" * size)
+        (d / "manifest.json").write_text("{}")
+        os.utime(d / "manifest.json", (time.time() - 100 + i,) * 2)
+
+
+def _disk(monkeypatch, root, capacity: int) -> None:
+    """A file system of 100 GiB whose free space is `capacity` less what root holds."""
+    def usage(path):
+        held = sum(f.stat().st_size for f in root.rglob("*") if f.is_file())
+        return shutil._ntuple_diskusage(100 << 30, held, capacity - held)
+    monkeypatch.setattr(P.shutil, "disk_usage", usage)
+
+
+def test_a_full_disk_evicts_for_room_or_skips_the_entry(tmp_path, monkeypatch, caplog):
+    # the shipped margin (the module's `entry` fixture sets it to nothing while it lives)
+    monkeypatch.setattr(P, "MIN_FREE_BYTES", 2 << 30)
+    monkeypatch.setattr(P, "MIN_FREE_FRACTION", 0.05)
+    _disk(monkeypatch, tmp_path, capacity=(5 << 30) + 2500)
+    assert P.min_free_bytes(tmp_path) == 5 << 30  # 5% of the file system, being over 2 GiB
+    _entries(tmp_path, {"old": 1000, "mid": 1000, "new": 300})
+    # 200 bytes free over the margin: 700 more needed; the oldest entry alone makes room
+    assert P._evict(tmp_path, P.PREPARED_BYTES, keep=tmp_path / "x", need_free=(5 << 30) + 900) >= (5 << 30) + 900
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid", "new"]
+    # more than deleting every entry would free: nothing is deleted, the entry is skipped
+    w = P.PreparedWeights.__new__(P.PreparedWeights)
+    w.root, w.dir = tmp_path, tmp_path / "big"
+    with caplog.at_level(logging.WARNING, logger="headwise.prepared"):
+        w.save([("m", "w", torch.zeros(3000, dtype=torch.uint8), "parameter")], cfg=None)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["mid", "new"]
+    assert "would leave less than 5.0 GiB free" in caplog.text
 
 
 def test_background_compile_takes_over_without_changing_tokens(tiny_models):

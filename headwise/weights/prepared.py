@@ -17,7 +17,10 @@ Raw bytes, not torch.save: writing is bound by the disk either way, and a plain 
 and reads with no parsing. Entries are written on a background thread after the engine is ready (a process
 that ends sooner waits for it),
 into a temporary directory renamed into place, so a reader never sees half an entry; the
-least recently used entries go beyond PREPARED_BYTES. The directory is safe to delete. An
+least recently used entries go beyond PREPARED_BYTES. The cache never fills its disk: an
+entry is written only where it leaves min_free_bytes free on the file system (least
+recently used entries go first to make room; where they do not, the entry is skipped with
+a log line). The directory is safe to delete. An
 entry that does not read back (damaged, or it does not fit the model) is deleted and
 rebuilt, with one log line.
 """
@@ -52,6 +55,10 @@ FORMAT = 1
 PREPARED_BYTES = 16 << 30  # the cache directory's bound (least recently used go first)
 ALIGN = 64
 STALE_TMP_S = 3600  # a temporary directory this old is a writer that died
+# Space an entry must leave free on its file system. A cache is the last thing that should
+# fill a disk: other processes on it (a package install, a second server) fail on a full one.
+MIN_FREE_BYTES = 2 << 30
+MIN_FREE_FRACTION = 0.05
 # The code whose output an entry holds: any change to it is a new key.
 _SOURCES = ("layers/linear.py", "layers/int4.py", "layers/embedding.py", "layers/quant.py", "layers/norm.py",
             "models/causal_lm.py", "models/head_order.py", "models/llama.py", "models/gemma3.py",
@@ -195,6 +202,13 @@ class PreparedWeights:
         t0 = time.perf_counter()
         self.root.mkdir(parents=True, exist_ok=True)
         _sweep(self.root)
+        size, margin = sum(t.numel() * t.element_size() for _, _, t, _ in tensors), min_free_bytes(self.root)
+        free = _evict(self.root, PREPARED_BYTES, keep=self.dir, need_free=size + margin)
+        if free < size + margin:
+            log.warning("prepared weights not saved to %s: the entry (%.1f GiB) would leave less than %.1f GiB "
+                        "free on its file system (%.1f GiB free)", self.dir, size / 2**30, margin / 2**30,
+                        free / 2**30)
+            return
         tmp = self.root / f".tmp-{self.key}-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -306,8 +320,16 @@ def _sweep(root: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
-def _evict(root: Path, bound: int, keep: Path) -> None:
-    """Delete the least recently used entries (by their manifest's time) beyond `bound` bytes."""
+def min_free_bytes(root: Path) -> int:
+    """Bytes the cache leaves free on root's file system: MIN_FREE_BYTES, or
+    MIN_FREE_FRACTION of the file system where that is more."""
+    return max(MIN_FREE_BYTES, int(MIN_FREE_FRACTION * shutil.disk_usage(root).total))
+
+
+def _evict(root: Path, bound: int, keep: Path, need_free: int = 0) -> int:
+    """Delete the least recently used entries (by their manifest's time) beyond `bound`
+    bytes, and while fewer than `need_free` bytes are free on the file system; returns the
+    bytes free after."""
     entries = []
     for d in root.iterdir():
         if d.name.startswith("."):
@@ -316,10 +338,13 @@ def _evict(root: Path, bound: int, keep: Path) -> None:
             entries.append(((d / "manifest.json").stat().st_mtime, sum(p.stat().st_size for p in d.iterdir()), d))
         except FileNotFoundError:  # no entry yet, or another process deleted it meanwhile
             continue
-    total = sum(e[1] for e in entries)
+    total, free = sum(e[1] for e in entries), shutil.disk_usage(root).free
+    # Entries go for room only where deleting them all would make it.
+    room = free + sum(size for _, size, d in entries if d != keep) >= need_free
     for _, size, d in sorted(entries):
-        if total <= bound:
+        if total <= bound and (free >= need_free or not room):
             break
         if d != keep:
             shutil.rmtree(d, ignore_errors=True)
-            total -= size
+            total, free = total - size, shutil.disk_usage(root).free
+    return free
