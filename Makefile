@@ -76,19 +76,19 @@ bench: $(STAMP)
 bench-gemma: $(STAMP)
 	$(LLAMA_CPP)
 	$(PY) benchmarks/bench_peers.py --model gemma-3-270m --contexts 8192,16384,32768 --runs 1 \
-		--systems headwise-native,headwise-int8,llama.cpp-fa,llama.cpp-nofa,transformers --ref headwise-native \
+		--systems headwise-native,headwise-int8,llama.cpp-fa,llama.cpp-nofa,llama.cpp-fa-q8,transformers --ref headwise-native \
 		--out-dir bench/gemma
 
 # Qwen2.5-Coder-0.5B-Instruct at 8K-32K: its gate-calibrated layout (bfloat16 and int8 KV) and
-# every head full against llama.cpp (flash attention on and off) and transformers (about
-# 3 hours on 2 cores: llama.cpp's 32K prefill takes 17 minutes, twice per setting). Tables
+# every head full against llama.cpp (flash attention on and off, and q8_0 KV) and transformers (about
+# 4 hours on 2 cores: llama.cpp's 32K prefill takes 17 minutes, twice per setting). Tables
 # are written after every system, so a stopped run keeps what it measured.
 QWEN_LAYOUT := headwise/layouts/qwen2.5-coder-0.5b-instruct-gates-50-w1024.json
 bench-qwen: $(STAMP)
 	$(LLAMA_CPP)
 	$(PY) benchmarks/bench_peers.py --model qwen2.5-coder-0.5b --layout $(QWEN_LAYOUT) \
 		--contexts 8192,16384,32768 --runs 1 --budget-gib 4 --out-dir bench/qwen \
-		--systems headwise,headwise-int8,headwise-full,llama.cpp-fa,llama.cpp-nofa,transformers
+		--systems headwise,headwise-int8,headwise-full,llama.cpp-fa,llama.cpp-nofa,llama.cpp-fa-q8,transformers
 
 bench-engine: $(STAMP)
 	$(PY) benchmarks/bench_engine.py

@@ -35,9 +35,10 @@ from headwise.weights.loader import checkpoint_dtype  # noqa: E402
 FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_per_seq",
           "max_concurrency", "peak_rss_bytes")
 
-# llama.cpp's flash attention settings, run as separate systems; the ratio table adds a row
-# comparing each figure with the better of them and names which setting won it.
-LLAMA_SETTINGS = ("llama.cpp-fa", "llama.cpp-nofa")
+# llama.cpp's settings (flash attention on and off with its f16 KV; q8_0 KV, which needs
+# flash attention), run as separate systems; the ratio table adds a row comparing each
+# figure with the best of them and names which setting won it.
+LLAMA_SETTINGS = ("llama.cpp-fa", "llama.cpp-nofa", "llama.cpp-fa-q8")
 RATIO_KEYS = ("ttft", "decode", "kv", "concurrency", "aggregate")
 
 
@@ -165,10 +166,10 @@ def main(argv=None) -> int:
     ap.add_argument("--new-tokens", type=int, default=16)
     ap.add_argument("--agg-steps", type=int, default=8)
     ap.add_argument("--systems", default="headwise,headwise-select,headwise-int8,headwise-full,transformers,"
-                                         "llama.cpp-fa,llama.cpp-nofa",
+                                         "llama.cpp-fa,llama.cpp-nofa,llama.cpp-fa-q8",
                     help="comma-separated; headwise-select: the shipped layout with select heads; "
-                         "llama.cpp-fa / -nofa: flash attention on / off, llama.cpp: the "
-                         "library default; also headwise-codes / headwise-dense (quantized weights "
+                         "llama.cpp-fa / -nofa: flash attention on / off, llama.cpp-fa-q8: flash "
+                         "attention with a q8_0 KV cache, llama.cpp: the library default; also headwise-codes / headwise-dense (quantized weights "
                          "kept as codes only / with prepacked dense copies, whichever the engine's "
                          "default is here), headwise-native (a model's native layout) and "
                          "headwise@LAYOUT.json")

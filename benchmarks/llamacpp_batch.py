@@ -27,6 +27,8 @@ def batched_decode(system, context: int, num_seqs: int, steps: int) -> float:
             cp.flash_attn_type = int(system.flash)
         else:
             cp.flash_attn = system.flash
+    if system.q8_kv:
+        cp.type_k = cp.type_v = lc.GGML_TYPE_Q8_0
     ctx = lc.llama_init_from_model(model, cp)
     if not ctx:
         raise RuntimeError("llama.cpp could not create a context of that size")

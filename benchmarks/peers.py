@@ -117,13 +117,21 @@ class TransformersSystem:
         del self.hf
 
 
-class LlamaCppSystem:
-    """llama-cpp-python on the very same GGUF; f16 KV cache (its default). `flash`: flash
-    attention on (llama.cpp-fa), off (llama.cpp-nofa) or the library's default (llama.cpp)."""
+# llama.cpp's q8_0: blocks of 32 int8 values and one f16 scale
+Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
 
-    def __init__(self, model: str | None, max_context: int, flash: bool | None = None) -> None:
-        self.flash = flash
-        self.name = {None: "llama.cpp", True: "llama.cpp-fa", False: "llama.cpp-nofa"}[flash]
+
+class LlamaCppSystem:
+    """llama-cpp-python on the very same GGUF. `flash`: flash attention on (llama.cpp-fa),
+    off (llama.cpp-nofa) or the library's default (llama.cpp). KV cache f16 (its default),
+    or q8_0 for K and V with `q8_kv` (llama.cpp-fa-q8: a quantized V cache needs flash
+    attention), the peer of headwise's int8 KV."""
+
+    def __init__(self, model: str | None, max_context: int, flash: bool | None = None, q8_kv: bool = False) -> None:
+        if q8_kv and flash is not True:
+            raise ValueError("llama.cpp's q8_0 V cache needs flash attention on")
+        self.flash, self.q8_kv = flash, q8_kv
+        self.name = {None: "llama.cpp", True: "llama.cpp-fa", False: "llama.cpp-nofa"}[flash] + ("-q8" if q8_kv else "")
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -139,7 +147,10 @@ class LlamaCppSystem:
         from headwise.weights.gguf_file import GGUFFile
 
         cfg = read_config(GGUFFile(self.path), p.stem)
-        self.per_layer_token = 2 * cfg.num_kv_heads * cfg.head_dim * 2  # f16 K and V
+        values = 2 * cfg.num_kv_heads * cfg.head_dim  # K and V, per layer and token
+        if q8_kv and cfg.head_dim % Q8_0_BLOCK:
+            raise Skip(f"q8_0 KV needs a head dim divisible by {Q8_0_BLOCK}")
+        self.per_layer_token = values * Q8_0_BLOCK_BYTES // Q8_0_BLOCK if q8_kv else values * 2
         self.layers, self.sliding = cfg.num_layers, len(cfg.sliding_layers)
         # A model with sliding-window layers gets llama.cpp's SWA cache (swa_full off):
         # those layers keep about window + one micro-batch of cells per sequence.
@@ -156,6 +167,8 @@ class LlamaCppSystem:
             kw["n_seq_max"] = n_seq
         if self.flash is not None:
             kw["flash_attn"] = self.flash
+        if self.q8_kv:
+            kw["type_k"] = kw["type_v"] = llama_cpp.GGML_TYPE_Q8_0
         return llama_cpp.Llama(**kw)
 
     def single(self, L: int, new: int) -> tuple[float, float]:
@@ -235,6 +248,7 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
         return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":
         return TransformersSystem(model, dtype)
-    if name in ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa"):
-        return LlamaCppSystem(model, max_context, {"llama.cpp": None, "llama.cpp-fa": True, "llama.cpp-nofa": False}[name])
+    if name in ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa", "llama.cpp-fa-q8"):
+        flash = {"llama.cpp": None, "llama.cpp-fa": True, "llama.cpp-nofa": False, "llama.cpp-fa-q8": True}[name]
+        return LlamaCppSystem(model, max_context, flash, q8_kv=name.endswith("-q8"))
     raise ValueError(f"unknown system {name!r}")

@@ -1,10 +1,12 @@
 """The peer benchmark harness on a tiny model, one short run (no timing thresholds)."""
 import json
+import sys
+import types
 
 import pytest
 import torch
 
-from benchmarks import bench_peers
+from benchmarks import bench_peers, peers
 
 
 def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
@@ -67,6 +69,25 @@ def test_llama_cpp_compared_at_its_best_setting_per_figure():
     assert "| 8192 | llama.cpp at its best | 5.00x (fa) | 1.11x (nofa) | 1.00x (fa/nofa) |" in md
     # one setting alone: no best-of row
     assert "at its best" not in bench_peers.ratio_table([me, fa], {}, "headwise")
+    # its q8_0 KV cache is one more setting: half the KV, so it wins KV and concurrency
+    q8 = dict(rec("llama.cpp-fa-q8", 11.0, 29.0, 95.0, conc=20), kv_bytes_per_seq=2**19)
+    rt, won = bench_peers.best_ratios(me, [fa, nofa, q8])
+    assert (rt["kv"], won["kv"]) == (0.5, "llama.cpp-fa-q8") and won["concurrency"] == "llama.cpp-fa-q8"
+    assert (rt["ttft"], won["ttft"]) == (5.0, "llama.cpp-fa")
+    assert "| 8192 | llama.cpp at its best | 5.00x (fa) | 1.11x (nofa) | 0.50x (fa-q8) | 2.00x (fa-q8) |" in \
+        bench_peers.ratio_table([me, fa, nofa, q8], {}, "headwise")
+
+
+def test_llama_cpp_q8_kv_counts_its_blocks(monkeypatch):
+    """llama.cpp-fa-q8's KV bytes are q8_0 blocks (34 bytes per 32 values), f16's 2 a value;
+    q8_0 without flash attention is refused, as llama.cpp refuses a quantized V cache."""
+    monkeypatch.setitem(sys.modules, "llama_cpp", types.ModuleType("llama_cpp"))  # only its presence is checked
+    f16, q8 = peers.make("llama.cpp-fa", None, 8192), peers.make("llama.cpp-fa-q8", None, 8192)
+    assert (f16.name, q8.name) == ("llama.cpp-fa", "llama.cpp-fa-q8")
+    values = 30 * 1000 * 2 * 3 * 64  # SmolLM2: 30 layers, K and V, 3 KV heads of 64 dims
+    assert f16.kv_bytes(1000) == values * 2 and q8.kv_bytes(1000) == values * 34 // 32
+    with pytest.raises(ValueError, match="flash attention"):
+        peers.LlamaCppSystem(None, 8192, flash=False, q8_kv=True)
 
 
 def test_results_of_runs_merge_and_bad_merge_input_is_refused(tmp_path):
