@@ -169,7 +169,8 @@ def main(argv=None) -> int:
                                          "llama.cpp-fa,llama.cpp-nofa,llama.cpp-fa-q8",
                     help="comma-separated; headwise-select: the shipped layout with select heads; "
                          "llama.cpp-fa / -nofa: flash attention on / off, llama.cpp-fa-q8: flash "
-                         "attention with a q8_0 KV cache, llama.cpp: the library default; also headwise-codes / headwise-dense (quantized weights "
+                         "attention with a q8_0 KV cache, llama.cpp: the library default; also "
+                         "headwise-codes / headwise-dense (quantized weights "
                          "kept as codes only / with prepacked dense copies, whichever the engine's "
                          "default is here), headwise-native (a model's native layout) and "
                          "headwise@LAYOUT.json")
