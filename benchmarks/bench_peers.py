@@ -38,7 +38,8 @@ FIELDS = ("system", "context", "ttft_s", "decode_tok_s", "agg_tok_s", "kv_bytes_
 # llama.cpp's settings (flash attention on and off with its f16 KV; q8_0 KV, which needs
 # flash attention), run as separate systems; the ratio table adds a row comparing each
 # figure with the best of them and names which setting won it.
-LLAMA_SETTINGS = ("llama.cpp-fa", "llama.cpp-nofa", "llama.cpp-fa-q8")
+# (not "llama.cpp": the library's default, which picks one of them)
+LLAMA_SETTINGS = tuple(n for n in peers.LLAMA_SYSTEMS if n != "llama.cpp")
 RATIO_KEYS = ("ttft", "decode", "kv", "concurrency", "aggregate")
 
 

@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import torch
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from benchmarks.common import headwise_aggregate, headwise_single, hf_single, prompt_ids
 from benchmarks.llamacpp_batch import UBATCH
@@ -117,8 +118,9 @@ class TransformersSystem:
         del self.hf
 
 
-# llama.cpp's q8_0: blocks of 32 int8 values and one f16 scale
-Q8_0_BLOCK, Q8_0_BLOCK_BYTES = 32, 34
+# llama.cpp's systems: name -> (flash attention: on / off / the library's default, q8_0 KV)
+LLAMA_SYSTEMS = {"llama.cpp": (None, False), "llama.cpp-fa": (True, False), "llama.cpp-nofa": (False, False),
+                 "llama.cpp-fa-q8": (True, True)}
 
 
 class LlamaCppSystem:
@@ -131,7 +133,7 @@ class LlamaCppSystem:
         if q8_kv and flash is not True:
             raise ValueError("llama.cpp's q8_0 V cache needs flash attention on")
         self.flash, self.q8_kv = flash, q8_kv
-        self.name = {None: "llama.cpp", True: "llama.cpp-fa", False: "llama.cpp-nofa"}[flash] + ("-q8" if q8_kv else "")
+        self.name = next(n for n, setting in LLAMA_SYSTEMS.items() if setting == (flash, q8_kv))
         try:
             import llama_cpp  # noqa: F401
         except ImportError:
@@ -148,9 +150,10 @@ class LlamaCppSystem:
 
         cfg = read_config(GGUFFile(self.path), p.stem)
         values = 2 * cfg.num_kv_heads * cfg.head_dim  # K and V, per layer and token
-        if q8_kv and cfg.head_dim % Q8_0_BLOCK:
-            raise Skip(f"q8_0 KV needs a head dim divisible by {Q8_0_BLOCK}")
-        self.per_layer_token = values * Q8_0_BLOCK_BYTES // Q8_0_BLOCK if q8_kv else values * 2
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType.Q8_0] if q8_kv else (1, 2)  # q8_0 or f16
+        if cfg.head_dim % block:
+            raise Skip(f"q8_0 KV needs a head dim divisible by {block}")
+        self.per_layer_token = values // block * block_bytes
         self.layers, self.sliding = cfg.num_layers, len(cfg.sliding_layers)
         # A model with sliding-window layers gets llama.cpp's SWA cache (swa_full off):
         # those layers keep about window + one micro-batch of cells per sequence.
@@ -248,7 +251,6 @@ def make(name: str, model: str | None, max_context: int, layout=None, dtype: str
         return HeadwiseSystem("headwise-full", model, "full", max_context, dtype)
     if name == "transformers":
         return TransformersSystem(model, dtype)
-    if name in ("llama.cpp", "llama.cpp-fa", "llama.cpp-nofa", "llama.cpp-fa-q8"):
-        flash = {"llama.cpp": None, "llama.cpp-fa": True, "llama.cpp-nofa": False, "llama.cpp-fa-q8": True}[name]
-        return LlamaCppSystem(model, max_context, flash, q8_kv=name.endswith("-q8"))
+    if name in LLAMA_SYSTEMS:
+        return LlamaCppSystem(model, max_context, *LLAMA_SYSTEMS[name])
     raise ValueError(f"unknown system {name!r}")
