@@ -43,6 +43,26 @@ def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
     assert by[("headwise-int8", 128)]["kv_bytes_per_seq"] * 4 * D == me["kv_bytes_per_seq"] * (D + 4)
 
 
+def test_each_system_and_context_runs_in_its_own_process(tiny_models, tmp_path, monkeypatch):
+    """Peak RSS is per process: one process per (system, context), and a skipped system is
+    not retried at the next context."""
+    calls = []
+
+    def in_process(fn, *args):
+        name, contexts = args[0], args[4]
+        calls.append((name, contexts))
+        return fn(*args)
+
+    monkeypatch.setattr(bench_peers, "in_fresh_process", in_process)
+    rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "64,128",
+                           "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
+                           "--systems", "llama.cpp,headwise", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    assert calls == [("llama.cpp", [64]), ("headwise", [64]), ("headwise", [128])]
+    recs = json.loads((tmp_path / "results.json").read_text())["records"]
+    assert [(r["system"], r["context"]) for r in recs] == [("headwise", 64), ("headwise", 128)]
+
+
 def test_ratio_of_zero_is_infinite_not_a_crash():
     a = {"ttft_s": 1.0, "decode_tok_s": 2.0, "kv_bytes_per_seq": 10, "max_concurrency": 2, "agg_tok_s": 4.0}
     b = dict(a, agg_tok_s=0.0)
