@@ -199,7 +199,7 @@ def main(argv=None) -> int:
     for name in a.systems.split(","):
         # Each system and context runs in a fresh process, so its peak RSS is its own: with
         # one process per system, the 8K row's peak also held what 1K-4K had left resident
-        # (freed memory does not all go back to the OS; 4432 against 2789 MiB for SmolLM2).
+        # (freed memory does not all go back to the OS; 4432 against 2776 MiB for SmolLM2).
         for L in contexts:
             recs, why = in_fresh_process(_run_system, name, a.model, a.layout, dtype, [L], a.runs, budget,
                                          a.new_tokens, a.agg_steps)
