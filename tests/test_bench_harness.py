@@ -10,8 +10,9 @@ from benchmarks import bench_peers, peers
 
 
 def test_harness_records_ratios_and_skips(tiny_models, tmp_path):
+    # One context: one spawned process per system and context (the next test covers several).
     out = tmp_path / "bench"
-    rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "64,128",
+    rc = bench_peers.main(["--model", str(tiny_models["llama"]), "--layout", "window", "--contexts", "128",
                            "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
                            "--systems", "headwise,headwise-select,headwise-int8,headwise-full,transformers,llama.cpp",
                            "--out-dir", str(out)])
