@@ -47,32 +47,30 @@ def peak_rss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure(system, contexts, runs, budget, new_tokens, agg_steps) -> list[dict]:
-    """One system over all contexts -> records (medians; min/max alongside)."""
-    recs = []
-    for L in contexts:
-        single = [system.single(L, new_tokens) for _ in range(runs)]
-        conc = system.max_concurrency(L + agg_steps + 2, budget)
-        agg = [system.aggregate(L, conc, agg_steps) for _ in range(runs)] if conc > 0 else [0.0]
-        ttft, dec, ag = Stat.of([s[0] for s in single]), Stat.of([s[1] for s in single]), Stat.of(agg)
-        rec = {"system": system.name, "context": L, "ttft_s": ttft.median, "decode_tok_s": dec.median,
-               "agg_tok_s": ag.median, "kv_bytes_per_seq": system.kv_bytes(L), "max_concurrency": conc,
-               "peak_rss_bytes": peak_rss(),
-               "range": {"ttft_s": [ttft.lo, ttft.hi], "decode_tok_s": [dec.lo, dec.hi], "agg_tok_s": [ag.lo, ag.hi]}}
-        print(f"{system.name:<22} {L:>5}: TTFT {ttft.fmt()} s, decode {dec.fmt('.1f')} tok/s, "
-              f"KV {rec['kv_bytes_per_seq'] / 2**20:.1f} MiB, fit {conc}, agg {ag.fmt('.1f')} tok/s", flush=True)
-        recs.append(rec)
-    return recs
+def measure(system, L, runs, budget, new_tokens, agg_steps) -> dict:
+    """One system at context L -> its record (medians; min/max alongside)."""
+    single = [system.single(L, new_tokens) for _ in range(runs)]
+    conc = system.max_concurrency(L + agg_steps + 2, budget)
+    agg = [system.aggregate(L, conc, agg_steps) for _ in range(runs)] if conc > 0 else [0.0]
+    ttft, dec, ag = Stat.of([s[0] for s in single]), Stat.of([s[1] for s in single]), Stat.of(agg)
+    rec = {"system": system.name, "context": L, "ttft_s": ttft.median, "decode_tok_s": dec.median,
+           "agg_tok_s": ag.median, "kv_bytes_per_seq": system.kv_bytes(L), "max_concurrency": conc,
+           "peak_rss_bytes": peak_rss(),
+           "range": {"ttft_s": [ttft.lo, ttft.hi], "decode_tok_s": [dec.lo, dec.hi], "agg_tok_s": [ag.lo, ag.hi]}}
+    print(f"{system.name:<22} {L:>5}: TTFT {ttft.fmt()} s, decode {dec.fmt('.1f')} tok/s, "
+          f"KV {rec['kv_bytes_per_seq'] / 2**20:.1f} MiB, fit {conc}, agg {ag.fmt('.1f')} tok/s", flush=True)
+    return rec
 
 
-def _run_system(name, model, layout, dtype, contexts, runs, budget, new_tokens, agg_steps):
+def _run_system(name, model, layout, dtype, L, runs, budget, new_tokens, agg_steps):
+    """(record, None), or (None, why) where the system cannot run here."""
     try:
-        system = peers.make(name, model, max(contexts), layout, dtype)
+        system = peers.make(name, model, L, layout, dtype)
     except peers.Skip as e:
-        return [], str(e)
-    recs = measure(system, contexts, runs, budget, new_tokens, agg_steps)
+        return None, str(e)
+    rec = measure(system, L, runs, budget, new_tokens, agg_steps)
     system.close()
-    return recs, None
+    return rec, None
 
 
 def in_fresh_process(fn, *args):
@@ -201,10 +199,11 @@ def main(argv=None) -> int:
         # one process per system, the 8K row's peak also held what 1K-4K had left resident
         # (freed memory does not all go back to the OS; 4432 against 2776 MiB for SmolLM2).
         for L in contexts:
-            recs, why = in_fresh_process(_run_system, name, a.model, a.layout, dtype, [L], a.runs, budget,
-                                         a.new_tokens, a.agg_steps)
-            records += recs
-            if why is not None:
+            rec, why = in_fresh_process(_run_system, name, a.model, a.layout, dtype, L, a.runs, budget,
+                                        a.new_tokens, a.agg_steps)
+            if why is None:
+                records.append(rec)
+            else:
                 print(f"{name}: skipped ({why})", flush=True)
                 skipped[name] = why
             # Written after every context: a long run stopped part way keeps what it measured.

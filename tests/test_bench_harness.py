@@ -50,8 +50,8 @@ def test_each_system_and_context_runs_in_its_own_process(tiny_models, tmp_path, 
     calls = []
 
     def in_process(fn, *args):
-        name, contexts = args[0], args[4]
-        calls.append((name, contexts))
+        name, context = args[0], args[4]
+        calls.append((name, context))
         return fn(*args)
 
     monkeypatch.setattr(bench_peers, "in_fresh_process", in_process)
@@ -59,7 +59,7 @@ def test_each_system_and_context_runs_in_its_own_process(tiny_models, tmp_path, 
                            "--runs", "1", "--budget-gib", "0.001", "--new-tokens", "2", "--agg-steps", "2",
                            "--systems", "llama.cpp,headwise", "--out-dir", str(tmp_path)])
     assert rc == 0
-    assert calls == [("llama.cpp", [64]), ("headwise", [64]), ("headwise", [128])]
+    assert calls == [("llama.cpp", 64), ("headwise", 64), ("headwise", 128)]
     recs = json.loads((tmp_path / "results.json").read_text())["records"]
     assert [(r["system"], r["context"]) for r in recs] == [("headwise", 64), ("headwise", 128)]
 
