@@ -320,6 +320,19 @@ def test_a_named_dtype_tags_its_records_and_is_reported_beside_the_engine_dtype(
     assert both is not None and "full@float32: " in both and "window@float32: " in both  # beside full
 
 
+def test_overlapping_reports_count_each_prompt_once(tmp_path):
+    # Two runs resumed from the same one-seed record, side by side: both files hold it.
+    rec = lambda layout, seed, score: quality.SuiteRecord(layout, "number", 160, 0.5, seed, score, "x")  # noqa: E731
+    one_seed = [rec("full", 1, 1.0), rec("window", 1, 0.0)]
+    quality.save(one_seed + [rec("full", 4, 1.0)], tmp_path / "full.json")
+    quality.save(one_seed + [rec("window", 4, 1.0)], tmp_path / "window.json")
+    merged = quality.load(tmp_path / "full.json", tmp_path / "window.json")
+    assert sorted((r.layout, r.seed) for r in merged) == [("full", 1), ("full", 4), ("window", 1), ("window", 4)]
+    quality.save([rec("window", 1, 1.0)], tmp_path / "other.json")
+    with pytest.raises(ValueError, match=r"hold different results for layout 'window', number .* seed 1"):
+        quality.load(tmp_path / "window.json", tmp_path / "other.json")
+
+
 def test_method_of_drops_fraction_and_window():
     assert quality.method_of("smollm2-gates-33-w512") == "smollm2-gates"
     assert quality.method_of("smollm2-gates") == "smollm2-gates"

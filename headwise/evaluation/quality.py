@@ -210,7 +210,22 @@ def save(records: list[SuiteRecord], path: str | Path) -> None:
 
 
 def load(*paths: str | Path) -> list[SuiteRecord]:
-    return [SuiteRecord(**r) for p in paths for r in json.loads(Path(p).read_text())]
+    """The records of --json files, each prompt (layout, family, length, depth, seed) and
+    perplexity once. Files may overlap: two runs resumed from the same record and run side
+    by side both hold it, and a run given both would otherwise write it twice. A prompt
+    held with two different results is refused rather than one silently winning: which
+    stands is the user's call."""
+    kept: dict[tuple, tuple[SuiteRecord, Path]] = {}
+    for p in map(Path, paths):
+        for raw in json.loads(p.read_text()):
+            r = SuiteRecord(**raw)
+            key = (r.layout, r.family, r.length, r.depth, r.seed)
+            first, where = kept.setdefault(key, (r, p))
+            if first != r:
+                raise ValueError(f"{where} and {p} hold different results for layout {r.layout!r}, "
+                                 f"{r.family} at {r.length} tokens, depth {r.depth}, seed {r.seed} "
+                                 f"(scores {first.score} and {r.score}); leave one of them out")
+    return [r for r, _ in kept.values()]
 
 
 def method_of(layout: str) -> str:
