@@ -273,15 +273,21 @@ def test_eval_suite_cli_refuses_bad_input(tiny_models, capsys, monkeypatch):
     assert "unknown suite family 'essays'" in capsys.readouterr().err
 
 
-def test_suite_run_resumes_by_prompt(tiny_models, tmp_path):
+def test_suite_run_resumes_by_prompt(tiny_models, tmp_path, monkeypatch):
     # A run stopped after its first family: given its own records back, the next run
     # computes only what is missing and keeps what was there.
     from headwise.evaluation.suite import run_quality
 
     model = str(tiny_models["llama"])
     opts = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=8192, max_num_seqs=2)
+    saved, save = [], quality.save
+    monkeypatch.setattr(quality, "save", lambda records, path: (saved.append(len(records)), save(records, path)))
     first, _ = run_quality(model, ["window"], ["number", "qa"], [160], seeds=1, json_path=tmp_path / "a.json",
                            engine_options=opts, reference=False)
+    # written after every prompt and perplexity, so a run stopped mid-family loses one prompt at most
+    assert saved == list(range(1, len(first) + 1))
+    assert quality.load(tmp_path / "a.json") == first
+    monkeypatch.setattr(quality, "save", save)
     stopped = [r for r in first if r.family == "number"]
     for r in stopped:
         r.output = "kept"  # a mark that recomputing would overwrite

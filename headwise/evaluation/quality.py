@@ -47,9 +47,12 @@ def seed_of(depth_index: int, i: int) -> int:
 
 
 def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4096, 8000),
-              seeds: int = SEEDS, ppl: bool = True, progress=None, skip=frozenset()) -> list[SuiteRecord]:
+              seeds: int = SEEDS, ppl: bool = True, progress=None, skip=frozenset(),
+              on_record=None) -> list[SuiteRecord]:
     """Greedy answers of one engine to every prompt of the suite, scored; the prompts
-    `skip` names, as (family, length, depth, seed), are left out (records held already)."""
+    `skip` names, as (family, length, depth, seed), are left out (records held already).
+    `on_record(record)` is called as each record is made (a caller saves there: at 16K a
+    family of a 1.5B model is 10-50 minutes of prompts)."""
     frac = llm.engine.layout.full_fraction
     from headwise.sampling import SamplingParams
 
@@ -69,6 +72,8 @@ def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4
                     o = llm.generate(s.text, SamplingParams(max_tokens=fam.max_new, stop=["\n\n"]),
                                      use_tqdm=False)[0]
                     out.append(SuiteRecord(layout, name, length, depth, seed, tasks.score(s, o.text), o.text, frac))
+                    if on_record is not None:
+                        on_record(out[-1])
                     if progress is not None:
                         progress.update(1)
         if ppl:
@@ -76,6 +81,8 @@ def run_suite(llm, layout: str, families=tuple(FAMILIES), lengths=(1024, 2048, 4
                 ids = tok.encode("".join(tasks.prose_sentences(src)))[:length]
                 nll = -llm.engine.prompt_logprobs(ids).mean()
                 out.append(SuiteRecord(layout, f"ppl:{src}", length, None, 0, math.exp(float(nll)), "", frac))
+                if on_record is not None:
+                    on_record(out[-1])
     return out
 
 

@@ -122,7 +122,7 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     """The quality suite (evaluation.quality) for the reference and each layout; records
     of `previous` runs (--report) join the table, and a prompt (or a perplexity) they
     already hold is not run again, so runs over different lengths, families or numbers of
-    seeds merge. Records are written to `json_path` after every family, so a run stopped
+    seeds merge. Records are written to `json_path` after every prompt, so a run stopped
     part-way resumes when its own file is given back as `previous`. reference=False runs only the
     layouts given (their records merge with the reference's later, through --report).
     Returns (records, markdown; None without the reference's records)."""
@@ -158,13 +158,17 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         if work:
             todo.append((name, lay, work, skip, len(missing)))
     bar = tqdm(total=sum(t[-1] for t in todo), desc="quality suite", unit="prompt")
+
+    def keep(record: quality.SuiteRecord) -> None:  # saved after every prompt: a stopped run resumes (--report)
+        records.append(record)
+        if json_path:
+            quality.save(records, json_path)
+
     for name, lay, work, skip, _ in todo:
         llm = LLM(model, **{**opts, "head_layout": lay})
-        for L, fam in work:  # saved after every family, so an interrupted run resumes (--report)
-            records += quality.run_suite(llm, name, [] if fam == "ppl" else [fam], [L], seeds,
-                                         ppl=fam == "ppl", progress=bar, skip=skip)
-            if json_path:
-                quality.save(records, json_path)
+        for L, fam in work:
+            quality.run_suite(llm, name, [] if fam == "ppl" else [fam], [L], seeds,
+                              ppl=fam == "ppl", progress=bar, skip=skip, on_record=keep)
         del llm
     bar.close()
     if ref_name not in quality.layouts_of(records):
