@@ -26,6 +26,7 @@ from tests.test_decode_capture import PROMPTS, GraphCalls, _mixed, _run
 OPTS = dict(kv_cache_memory=1 << 28, max_num_seqs=4, enforce_eager=True, dense_weights=True)
 CODES = dict(OPTS, dense_weights=False)
 DEFAULT = dict(OPTS, dense_weights=None)
+NEAR_TIE = 0.25  # nats between the dense weights' top two tokens that rounding may reorder
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,10 @@ def cache(entry, monkeypatch):
 
 
 def _greedy(llm, n=12):
-    params = SamplingParams(max_tokens=n, temperature=0.0, logprobs=0)
-    return [(o.token_ids, [lp for lp in o.logprobs]) for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    """(tokens, their logprobs, the top two {token: logprob} at each step) per prompt."""
+    params = SamplingParams(max_tokens=n, temperature=0.0, logprobs=2)
+    return [(o.token_ids, list(o.logprobs), list(o.top_logprobs))
+            for o in llm.generate(PROMPTS, params, use_tqdm=False)]
 
 
 def _tensors(model) -> dict[str, torch.Tensor]:
@@ -259,9 +262,9 @@ def test_tiny_hf_models_are_not_cached(tiny_models, tmp_path, monkeypatch):
 def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, caplog):
     """dense_weights=False: the 4-bit weights keep no bfloat16 copy (prefill multiplies with
     their codes), in an entry of its own that reads back to the same tensors and tokens;
-    its greedy tokens are those of the dense copies (the weights differ by the rounding of
-    their bfloat16 scales only). The default engine is this one where the kernels over
-    codes run, the dense one elsewhere."""
+    it answers as the dense copies do (the weights differ by the rounding of their bfloat16
+    scales only). The default engine is this one where the kernels over codes run, the
+    dense one elsewhere."""
     dense = entry[1].engine
     with pytest.raises(ConfigError, match="dense_weights=False"):
         LLM(None, **dict(CODES, dtype="float32"))
@@ -289,8 +292,17 @@ def test_codes_only_weights_have_their_own_entry_and_answer_alike(entry, cache, 
     a, b = _tensors(eng.model), _tensors(second.engine.model)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert _greedy(second) == want
-    for (codes, _), (dense_ids, _) in zip(want, entry[2]):
-        assert codes[:6] == dense_ids[:6]
+    for prompt, (codes, _, _), (dense_ids, _, dense_top) in zip(PROMPTS, want, entry[2]):
+        # The same greedy tokens up to a near-tie of the dense weights' own choice, which the
+        # scales' rounding may flip (on an AMD EPYC one prompt's 5th token: 0.125 nats apart);
+        # past it the two continue from different text.
+        i = next((i for i, (a, b) in enumerate(zip(codes, dense_ids)) if a != b), None)
+        if i is not None:
+            assert codes[i] in dense_top[i] and dense_top[i][dense_ids[i]] - dense_top[i][codes[i]] < NEAR_TIE
+        # Teacher-forced along the dense answer, every token's logprob within 0.5 nats (0.21
+        # at most on that EPYC); codes read wrongly would be off by several nats.
+        ids = dense.tokenizer.encode(prompt) + dense_ids
+        assert (eng.prompt_logprobs(ids) - dense.prompt_logprobs(ids)).abs().max() < 0.5
     default = LLM(None, **DEFAULT).engine
     assert default.prepared.key == (eng.prepared.key if codes_gemm.available() else dense.prepared.key)
     shutil.rmtree(eng.prepared.dir)
