@@ -307,6 +307,26 @@ def test_suite_run_resumes_by_prompt(tiny_models, tmp_path, monkeypatch):
     assert sum(r.family.startswith("ppl:") for r in more) == sum(r.family.startswith("ppl:") for r in again)
 
 
+def test_layouts_take_turns_family_by_family_with_one_engine_each(tiny_models, monkeypatch):
+    # A run stopped part-way must leave every layout's answers to the same prompts: the
+    # reference and the layout alternate per family, each engine built once.
+    from headwise.evaluation import suite
+
+    model = str(tiny_models["llama"])
+    opts = dict(kv_cache_memory=64 << 20, max_num_batched_tokens=8192, max_num_seqs=2)
+    built, make = [], suite.LLM
+    monkeypatch.setattr(suite, "LLM", lambda *a, **kw: (built.append(kw["head_layout"]), make(*a, **kw))[1])
+    records, _ = suite.run_quality(model, ["window"], ["qa", "number"], [160, 192], seeds=1, engine_options=opts)
+    assert len(built) == 2
+    runs = [(r.length, r.family if r.depth is not None else "ppl", r.layout) for r in records]
+    turns = list(dict.fromkeys(runs))  # each (length, family, layout) is one contiguous run
+    assert len(turns) == len(set(runs))
+    # by length, then in the suite's family order (not the order asked), perplexity last;
+    # within each, the reference and then the layout
+    fams = [f for f in quality.FAMILIES if f in ("qa", "number")] + ["ppl"]
+    assert turns == [(L, f, lay) for L in (160, 192) for f in fams for lay in ("full", "window")]
+
+
 def test_a_named_dtype_tags_its_records_and_is_reported_beside_the_engine_dtype(tiny_models):
     # Records of another compute dtype are not "done" for the engine's own (nor the
     # reverse): they run under their own names, and the report sets both side by side.

@@ -125,7 +125,8 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
     seeds merge. Records are written to `json_path` after every prompt, so a run stopped
     part-way resumes when its own file is given back as `previous`. reference=False runs only the
     layouts given (their records merge with the reference's later, through --report).
-    Returns (records, markdown; None without the reference's records)."""
+    The layouts take turns family by family, each with its own engine, all kept alive for
+    the run (memory: one engine per layout). Returns (records, markdown; None without the reference's records)."""
     opts = dict(EVAL_ENGINE_OPTIONS if engine_options is None else engine_options)
     cfg = read_model_config(model)
     native = native_layout(cfg)
@@ -164,12 +165,21 @@ def run_quality(model, layout_specs, families, lengths, seeds: int = quality.SEE
         if json_path:
             quality.save(records, json_path)
 
-    for name, lay, work, skip, _ in todo:
-        llm = LLM(model, **{**opts, "head_layout": lay})
-        for L, fam in work:
-            quality.run_suite(llm, name, [] if fam == "ppl" else [fam], [L], seeds,
+    # Family by family, every layout in turn (each engine made once and kept): a run
+    # stopped part-way leaves every layout's answers to the same prompts (`make quality`
+    # runs the reference and the shipped layout in one process).
+    rank = {f: i for i, f in enumerate(quality.FAMILIES)}
+    order = sorted({w for t in todo for w in t[2]}, key=lambda w: (w[0], rank.get(w[1], len(rank))))
+    engines = {}
+    for L, fam in order:
+        for name, lay, work, skip, _ in todo:
+            if (L, fam) not in work:
+                continue
+            if name not in engines:
+                engines[name] = LLM(model, **{**opts, "head_layout": lay})
+            quality.run_suite(engines[name], name, [] if fam == "ppl" else [fam], [L], seeds,
                               ppl=fam == "ppl", progress=bar, skip=skip, on_record=keep)
-        del llm
+    engines.clear()
     bar.close()
     if ref_name not in quality.layouts_of(records):
         return records, None
