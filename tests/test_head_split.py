@@ -395,3 +395,21 @@ def test_every_layout_file_shipped_loads_with_its_models_shape():
         assert layout.shape == MODEL_SHAPES[layout.model], f.name
         model = layout.model.lower().removesuffix("-instruct")
         assert f.name.startswith(model), f.name
+
+
+def test_each_models_shipped_layout_is_the_file_named_for_it():
+    # A known model runs with the layout SHIPPED names for it: the file must exist, say it
+    # was calibrated for that model, and be returned only for that model's shape.
+    from headwise.layouts import _DIR, SHIPPED, SHIPPED_SELECT, shipped_layout
+
+    for table, select in ((SHIPPED, False), (SHIPPED_SELECT, True)):
+        for model, fname in table.items():
+            want = HeadLayout.load(_DIR / fname)
+            assert want.model == model, fname
+            got = shipped_layout(model, MODEL_SHAPES[model], select=select)
+            assert got is not None and got.name == want.name and got.heads == want.heads, fname
+            assert 0 < got.full_fraction < 1, fname
+            assert any(s.kind == "select" for row in got.heads for s in row) == select, fname
+            layers, kv, dim = MODEL_SHAPES[model]
+            assert shipped_layout(model, (layers + 1, kv, dim), select=select) is None
+    assert shipped_layout("no-such-model", (30, 3, 64)) is None

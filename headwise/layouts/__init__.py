@@ -7,7 +7,10 @@ from headwise.heads.layout import HeadLayout, HeadSpec, LayoutError
 from headwise.models.config import ModelConfig
 
 _DIR = Path(__file__).parent
-SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024.json"}
+# Qwen2.5-Coder-1.5B: 80% of KV heads full, equal to full attention on the quality suite at
+# 4K, 8K and 16K, three seeds per depth (docs/quality.md).
+SHIPPED = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024.json",
+           "Qwen2.5-Coder-1.5B-Instruct": "qwen2.5-coder-1.5b-instruct-gates-80-w1024.json"}
 # Layouts with select heads (heads/select.py), calibrated from the shipped ones; opt-in
 # (`--head-layout`, the benchmarks' `headwise-select`) until the quality suite says more.
 SHIPPED_SELECT = {"SmolLM2-135M-Instruct": "smollm2-135m-instruct-gates-33-w1024-select1024.json"}
