@@ -7,6 +7,7 @@ import torch
 
 from headwise import LLM, HeadLayout, SamplingParams
 from headwise.heads.layout import HeadSpec, LayoutError
+from headwise.layouts import _DIR, SHIPPED, SHIPPED_SELECT, shipped_layout
 from tests.conftest import assert_batched_equals_single
 
 SINK, WINDOW = 4, 8
@@ -386,8 +387,6 @@ MODEL_SHAPES = {"SmolLM2-135M-Instruct": (30, 3, 64), "gemma-3-270m": (18, 1, 25
 
 
 def test_every_layout_file_shipped_loads_with_its_models_shape():
-    from headwise.layouts import _DIR
-
     files = sorted(_DIR.glob("*.json"))
     assert len(files) >= 20
     for f in files:
@@ -400,8 +399,6 @@ def test_every_layout_file_shipped_loads_with_its_models_shape():
 def test_each_models_shipped_layout_is_the_file_named_for_it():
     # A known model runs with the layout SHIPPED names for it: the file must exist, say it
     # was calibrated for that model, and be returned only for that model's shape.
-    from headwise.layouts import _DIR, SHIPPED, SHIPPED_SELECT, shipped_layout
-
     for table, select in ((SHIPPED, False), (SHIPPED_SELECT, True)):
         for model, fname in table.items():
             want = HeadLayout.load(_DIR / fname)
