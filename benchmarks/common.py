@@ -113,16 +113,36 @@ def load_hf_default(dtype=torch.float32):
     return AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=dtype).eval()
 
 
-def cpu_model() -> str:
-    """The CPU's model name (/proc/cpuinfo), else the architecture: this project's machines
-    are Intel or AMD by draw, and bfloat16 prefill differs ~3.5x between them (AMX)."""
+# The x86 instruction sets behind this project's CPU speed gaps: AMX (PyTorch's bfloat16
+# matmuls use it; llama.cpp is built without it on these machines, Makefile) and AVX-512
+# (both use it). Results files name which of them the CPU had, as issue #32 asks.
+ISA_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def _cpuinfo() -> str:
     try:
-        with open("/proc/cpuinfo") as f:
-            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        name = ""
+        return Path("/proc/cpuinfo").read_text()
+    except OSError:  # not Linux
+        return ""
+
+
+def isa_flags(cpuinfo: str) -> list[str]:
+    """The ISA_FLAGS that the first `flags` line of a /proc/cpuinfo text lists, in
+    ISA_FLAGS' order ([] without such a line, e.g. on ARM, whose line is `Features`)."""
+    line = next((ln for ln in cpuinfo.splitlines() if ln.startswith("flags")), "")
+    have = set(line.split(":", 1)[1].split()) if ":" in line else set()
+    return [f for f in ISA_FLAGS if f in have]
+
+
+def cpu_model() -> str:
+    """The architecture, the CPU's model name and its ISA_FLAGS (/proc/cpuinfo): this
+    project's machines are Intel or AMD by draw, and bfloat16 prefill differs ~3.5x between
+    them (AMX)."""
+    info = _cpuinfo()
+    name = next((ln.split(":", 1)[1].strip() for ln in info.splitlines() if ln.startswith("model name")), "")
     arch = platform.processor() or platform.machine()
-    return f"{arch} ({name})" if name else arch
+    flags = " ".join(isa_flags(info)) or "no AVX2/AVX-512/AMX"
+    return f"{arch} ({name}; {flags})" if name else f"{arch} ({flags})"
 
 
 def machine() -> str:

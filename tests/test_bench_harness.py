@@ -242,3 +242,22 @@ def test_select_benchmark_measures_each_layout(tiny_models, tmp_path):
     # select heads keep every token: full's K/V bytes, plus a min/max summary per block and head
     assert rows[3]["kv_bytes_per_seq"] > rows[2]["kv_bytes_per_seq"]
     assert "| sel | 4 select of 4 KV heads | 200 |" in (out / "results.md").read_text()
+
+
+def test_results_name_the_cpus_avx512_and_amx_flags():
+    """Every results file's machine line names the ISA flags behind the CPU speed gaps, read
+    from /proc/cpuinfo's flags as whole words (avx512f is not avx512fp16)."""
+    from benchmarks import common
+
+    intel = ("processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: fpu sse2 avx2 avx512fp16 avx512_bf16 "
+             "amx_tile amx_bf16\n\nprocessor\t: 1\nflags\t\t: fpu avx512f amx_int8\n")
+    assert common.isa_flags(intel) == ["avx2", "avx512_bf16", "amx_tile", "amx_bf16"]  # the first CPU's line
+    assert common.isa_flags("processor\t: 0\nFeatures\t: fp asimd\n") == []
+    assert common.isa_flags("") == []
+    try:
+        here = common.isa_flags(open("/proc/cpuinfo").read())
+    except OSError:
+        pytest.skip("no /proc/cpuinfo")
+    line = common.machine()
+    assert all(f in line for f in here)
+    assert ("no AVX2/AVX-512/AMX" in line) == (not here)
