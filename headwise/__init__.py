@@ -8,6 +8,12 @@ import os
 # start (its weights made dense and packed into new memory). Set it to 0 to turn it off;
 # a process that imported torch first keeps its allocator as it was.
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+# Everything headwise loads is local (GGUF files, model directories), so the Hugging Face
+# libraries it reads tokenizers and configs with never need the network: keep them off it
+# and their telemetry off. Read when huggingface_hub is first imported; a user's own
+# setting wins.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 
 from headwise.heads.layout import HeadLayout
 from headwise.llm import LLM, CompletionOutput, RequestOutput
