@@ -164,10 +164,12 @@ def free_port() -> int:
 
 
 def start_server(layout: str | None, args: list[str], log=subprocess.DEVNULL,
-                 wait_s: float = 300.0) -> tuple[subprocess.Popen, str]:
+                 wait_s: float = 900.0) -> tuple[subprocess.Popen, str]:
     """`headwise serve` on a free loopback port with `--head-layout layout` (None: the
     model's default) and further CLI `args`; returns (process, base URL) once /health
-    answers."""
+    answers. wait_s covers a first start on a new machine: preparing the weights and
+    compiling the decode step of Qwen2.5-Coder-1.5B took over 300 s there while another
+    build shared the two cores; a server that exits is reported at once."""
     port = free_port()
     cmd = [sys.executable, "-m", "headwise.cli", "serve", "--port", str(port), *args]
     if layout is not None:
