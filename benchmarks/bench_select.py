@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import headwise_aggregate, machine  # noqa: E402
+from headwise.config import parse_size  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,8 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--steps", type=int, default=24, help="decode steps per measurement")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--kv-gib", type=float, default=2.0,
-                    help="KV cache memory of each layout's engine, GiB (a 1.5B model's 4 sequences of 32K need 4)")
+    ap.add_argument("--kv-cache-memory", default="2GiB", type=parse_size,
+                    help="KV cache memory of each layout's engine, as the engine's flag takes it "
+                         "(a 1.5B model's 4 sequences of 32K need about 3.5GiB)")
     ap.add_argument("--out-dir", default="bench/select")
     a = ap.parse_args(argv)
     from headwise import LLM
@@ -42,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     layouts = a.layouts.split(",")
     contexts = [int(x) for x in a.contexts.split(",")]
     batches = [int(x) for x in a.batches.split(",")]
-    llms = {lay: LLM(a.model, head_layout=lay, kv_cache_memory=int(a.kv_gib * 2**30), max_num_batched_tokens=8192)
+    llms = {lay: LLM(a.model, head_layout=lay, kv_cache_memory=a.kv_cache_memory, max_num_batched_tokens=8192)
             for lay in layouts}
     rows = []
     for L in contexts:
@@ -62,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"batch {b} {row[f'batch{b}_tok_s']:.1f} tok/s" for b in batches), flush=True)
     head = "| layout | classes | context | KV MiB/seq | " + " | ".join(f"batch {b} tok/s" for b in batches) + " |"
     lines = [f"Machine: {machine()}; median of {a.rounds} rounds, {a.steps} decode steps each; "
-             f"{a.kv_gib:g} GiB of KV per layout", "", head,
+             f"{a.kv_cache_memory / 2**30:g} GiB of KV per layout", "", head,
              "|" + "---|" * (4 + len(batches))]
     for r in rows:
         lines.append(f"| {r['layout']} | {r['classes']} | {r['context']} | {r['kv_bytes_per_seq'] / 2**20:.1f} | "
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.md").write_text(table + "\n")
     (out / "results.json").write_text(json.dumps({"machine": machine(), "date": time.strftime("%Y-%m-%d"),
-                                                  "kv_gib": a.kv_gib, "rows": rows}, indent=1))
+                                                  "kv_cache_memory": a.kv_cache_memory, "rows": rows}, indent=1))
     return 0
 
 

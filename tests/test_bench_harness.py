@@ -235,11 +235,11 @@ def test_select_benchmark_measures_each_layout(tiny_models, tmp_path):
     lay.save(tmp_path / "sel.json")
     out = tmp_path / "bench"
     assert bench_select.main(["--model", path, "--layouts", f"full,{tmp_path / 'sel.json'}", "--contexts", "64,200",
-                              "--batches", "1,2", "--steps", "2", "--rounds", "1", "--kv-gib", "0.25",
+                              "--batches", "1,2", "--steps", "2", "--rounds", "1", "--kv-cache-memory", "256MiB",
                               "--out-dir", str(out)]) == 0
     res = json.loads((out / "results.json").read_text())
     rows = res["rows"]
-    assert res["kv_gib"] == 0.25
+    assert res["kv_cache_memory"] == 256 << 20
     assert [(r["layout"], r["context"]) for r in rows] == [("full", 64), ("sel", 64), ("full", 200), ("sel", 200)]
     assert all(r["batch1_tok_s"] > 0 and r["batch2_tok_s"] > 0 for r in rows)
     # select heads keep every token: full's K/V bytes, plus a min/max summary per block and head
